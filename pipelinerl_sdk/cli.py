@@ -1,0 +1,187 @@
+"""``pipelinerl``: list backends, serve one, build a tiny model, run benchmarks and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pipelinerl_sdk.contracts import ServeConfig
+from pipelinerl_sdk.errors import PipelineRLError
+from pipelinerl_sdk.launch import ENV_API_KEY, ENV_CONTROL_TOKEN
+from pipelinerl_sdk.plugins import load_registry
+
+
+def _options(pairs: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--option takes KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    registry = load_registry()
+    entries = [
+        {
+            "kind": e.kind,
+            "name": e.name,
+            "plugin": e.plugin,
+            "description": e.description,
+            "capabilities": {
+                k: sorted(v) if isinstance(v, frozenset) else v
+                for k, v in ((f, getattr(e.capabilities, f)) for f in e.capabilities.__slots__)
+            },
+        }
+        for e in sorted(registry.entries.values(), key=lambda e: (e.kind, e.name))
+    ]
+    plugins = [
+        {
+            "entry_point": r.name,
+            "value": r.value,
+            "distribution": r.distribution,
+            "version": r.version,
+            "status": r.status,
+            "error": r.error,
+            "backends": list(r.backends),
+        }
+        for r in registry.load_results
+    ]
+    if args.json:
+        print(json.dumps({"backends": entries, "plugins": plugins}, indent=2))
+        return 0
+    print("backends:")
+    for e in entries:
+        print(f"  {e['kind']:<9} {e['name']:<12} (plugin {e['plugin']}) {e['description']}")
+    print("plugins:")
+    for p in plugins:
+        dist = f"{p['distribution']} {p['version']}" if p["distribution"] else "-"
+        line = f"  {p['entry_point']:<14} {p['status']:<7} {dist}"
+        if p["error"]:
+            line += f"\n      {p['error']}"
+        print(line)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    token = os.environ.get(ENV_CONTROL_TOKEN, "")
+    if not token:
+        token = secrets.token_urlsafe(24)
+        print(
+            f"pipelinerl: {ENV_CONTROL_TOKEN} not set; control token for this run: {token}",
+            file=sys.stderr,
+        )
+    config = ServeConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        control_token=token,
+        api_key=os.environ.get(ENV_API_KEY) or None,
+        receive_mode=args.receive_mode,
+        ready_file=args.ready_file,
+        options=_options(args.option),
+    )
+    factory = load_registry().factory("inference", args.backend)
+    backend = factory(config)
+    backend.serve(config)
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from pipelinerl_sdk.reference.tiny import build_tiny_model
+
+    path = build_tiny_model(args.path, preset=args.preset, dtype=args.dtype, seed=args.seed)
+    print(path)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "weight-update":
+        from pipelinerl_sdk.bench.weight_update import run_weight_update_bench
+
+        result: dict[str, Any] = run_weight_update_bench(
+            backend=args.backend,
+            model=args.model,
+            seconds=args.seconds,
+            updates=args.updates,
+            concurrency=args.concurrency,
+            bucket_mb=args.bucket_mb,
+        )
+    else:
+        raise SystemExit(f"unknown benchmark {args.what!r}")
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipelinerl_sdk.demo import run_demo
+
+    return run_demo(steps=args.steps, workdir=args.workdir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipelinerl", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("backends", help="list installed backends and how each plugin loaded")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_backends)
+
+    s = sub.add_parser("serve", help="serve the inference contract with a backend")
+    s.add_argument("--backend", default="reference")
+    s.add_argument("--model", required=True, help="HF-format model directory")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (see --ready-file)")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--receive-mode", choices=["direct", "staged"], default=None)
+    s.add_argument("--ready-file", default=None, help="write {url, pid, port} here once serving")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("tiny-model", help="write a tiny Qwen2 model and offline tokenizer to PATH")
+    t.add_argument("path")
+    t.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    t.add_argument("--dtype", default="float32")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_tiny_model)
+
+    k = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
+    k.add_argument("what", choices=["weight-update"])
+    k.add_argument("--backend", default="reference")
+    k.add_argument("--model", default=None, help="model dir (default: a freshly built 'bench' preset)")
+    k.add_argument("--seconds", type=float, default=8.0, help="length of each throughput window")
+    k.add_argument("--updates", type=int, default=5, help="updates timed per mode")
+    k.add_argument("--concurrency", type=int, default=16)
+    k.add_argument("--bucket-mb", type=int, default=64)
+    k.add_argument("--json", action="store_true", help="one JSON object on one line")
+    k.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="a short trainer -> server weight-update run on CPU")
+    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--workdir", default="runs/demo")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except PipelineRLError as e:
+        print(f"pipelinerl: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"pipelinerl: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

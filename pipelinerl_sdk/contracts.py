@@ -1,0 +1,374 @@
+"""The two contracts every backend implements, and the capabilities it declares.
+
+``InferenceBackend`` is the *server-side* SPI: an object living in the inference server's
+process, behind the HTTP router of :mod:`pipelinerl_sdk.http`. Clients never see it; they speak
+the HTTP contract. ``TrainerBackend`` runs in every rank of the trainer, SPMD: every rank calls
+every method in the same order (they contain collectives).
+
+Nothing here imports torch or an engine at run time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pipelinerl_sdk.errors import UpdateRejected
+from pipelinerl_sdk.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    GroupBackend,
+    GroupState,
+    InitProcessGroupRequest,
+    InitProcessGroupResponse,
+    ParamSpec,
+    ProbeBroadcastRequest,
+    ReceiveMode,
+    WeightUpdateRequest,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+# --- capabilities ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceCapabilities:
+    """What an inference backend declares once; the conformance suite turns each field into a
+    requirement (a missing one is a skip with this backend's name and the field in the reason)."""
+
+    receive_modes: frozenset[ReceiveMode] = frozenset({"direct"})
+    group_backends: frozenset[GroupBackend] = frozenset({"gloo"})
+    #: Requests running when an update arrives finish, later tokens tagged with the new version.
+    in_flight_updates: bool = True
+    per_token_versions: bool = True
+    prompt_logprobs: bool = False
+    top_logprobs: bool = False
+    dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerCapabilities:
+    #: Parameters are sharded across ranks (ZeRO-3, FSDP); False for replicated (DDP-style).
+    sharded: bool = False
+    max_world_size: int | None = None
+    group_backends: frozenset[GroupBackend] = frozenset({"gloo"})
+    dtypes: frozenset[str] = frozenset({"float32"})
+
+
+# --- inference --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """How ``pipelinerl serve`` starts a server. Control routes need ``control_token`` (distinct
+    from ``api_key``, which guards the OpenAI routes when set). ``options`` are backend-specific
+    (``--option key=value``)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    control_token: str = ""
+    api_key: str | None = None
+    receive_mode: ReceiveMode | None = None
+    ready_file: str | None = None
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateReport:
+    """What a completed update reports; all times in seconds."""
+
+    version: int
+    mode: ReceiveMode
+    #: Generation was held this long (the number the design minimises).
+    pause_s: float
+    receive_s: float
+    apply_s: float
+    total_s: float
+
+    def timings(self) -> dict[str, float]:
+        return {
+            "pause_s": self.pause_s,
+            "receive_s": self.receive_s,
+            "apply_s": self.apply_s,
+            "total_s": self.total_s,
+        }
+
+
+class InferenceBackend(ABC):
+    """An inference engine serving the inference contract in its own process.
+
+    Lifecycle: ``start()`` once before any other coroutine, ``stop()`` once at the end. The router
+    serialises control calls: at most one ``init_process_group``/``update_weights``/``probe`` runs at
+    a time, and a second one is refused (409) rather than queued. ``chat_completion`` runs
+    concurrently with everything, updates included.
+
+    Update semantics the backend owns (the conformance suite checks each):
+    - ``update_weights`` is called only after :meth:`validate_update` passed; it calls
+      ``on_accepted()`` once its receive is armed (before waiting for the trainer's decision), so
+      the trainer knows it may broadcast;
+    - it returns once the new weights are live and every later token carries ``req.version``;
+    - on any failure it raises, and then the old weights are still serving, generation is not
+      paused, and nothing of the update is visible. Requests in flight are never dropped.
+    """
+
+    capabilities: InferenceCapabilities = InferenceCapabilities()
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The registered backend name (``reference``, ``vllm``...)."""
+
+    @property
+    @abstractmethod
+    def model_name(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The weight version every newly generated token is tagged with (0 = initial weights)."""
+
+    @property
+    @abstractmethod
+    def receiving_workers(self) -> int:
+        """How many ranks this server contributes to the weight-update group."""
+
+    @abstractmethod
+    def param_specs(self) -> list[ParamSpec]:
+        """The params an update must carry, under HF names, in the server's dtype."""
+
+    @property
+    def default_mode(self) -> ReceiveMode:
+        return "staged" if "staged" in self.capabilities.receive_modes else "direct"
+
+    @abstractmethod
+    def group_state(self) -> GroupState | None: ...
+
+    @abstractmethod
+    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+        """Join (or re-join, replacing the old group) the weight-update group; returns once
+        joined. Raises GroupError on failure."""
+
+    def validate_update(self, req: WeightUpdateRequest) -> None:
+        """Refuse, before any receive, an update that cannot apply: raises UpdateRejected with
+        the HTTP status and the offending field. The default checks group, version, mode and the
+        params against :meth:`param_specs`; backends may extend it."""
+        validate_update_request(
+            req,
+            expected=self.param_specs(),
+            current_version=self.version,
+            modes=self.capabilities.receive_modes,
+            group=self.group_state(),
+        )
+
+    @abstractmethod
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport: ...
+
+    @abstractmethod
+    async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:
+        """Receive one flat broadcast of ``req.nbytes`` (after the trainer's ``go`` for
+        ``probe/{probe_id}``) and discard it; returns the receive seconds."""
+
+    @abstractmethod
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse: ...
+
+    def serve(self, config: ServeConfig) -> None:
+        """Serve the contract until SIGTERM/SIGINT. The default mounts the SDK's router on a
+        uvicorn server; engines that own their HTTP server (vLLM, SGLang) override this."""
+        from pipelinerl_sdk.http.server import run_server
+
+        run_server(self, config)
+
+
+def validate_update_request(
+    req: WeightUpdateRequest,
+    *,
+    expected: Sequence[ParamSpec],
+    current_version: int,
+    modes: frozenset[ReceiveMode],
+    group: GroupState | None,
+) -> None:
+    """The checks every server runs before it receives anything (see ``validate_update``)."""
+    from pipelinerl_sdk.weights.buckets import BucketPlan  # pure python, no torch
+
+    if group is None:
+        raise UpdateRejected("no weight-update group: call /init_process_group first", status=409, field="group")
+    if group.broken:
+        raise UpdateRejected(
+            f"weight-update group is broken ({group.reason}); call /init_process_group again",
+            status=409,
+            field="group",
+        )
+    if req.version <= current_version:
+        raise UpdateRejected(
+            f"version must increase: got {req.version}, serving {current_version}",
+            status=409,
+            field="version",
+        )
+    if req.mode is not None and req.mode not in modes:
+        raise UpdateRejected(
+            f"mode {req.mode!r} not supported (supported: {sorted(modes)})",
+            status=422,
+            field="mode",
+        )
+    by_name: Mapping[str, ParamSpec] = {p.name: p for p in expected}
+    for i, p in enumerate(req.params):
+        want = by_name.get(p.name)
+        if want is None:
+            raise UpdateRejected(f"unknown param {p.name!r}", status=422, field=f"params[{i}].name")
+        if p.shape != want.shape:
+            raise UpdateRejected(
+                f"param {p.name!r}: shape {list(p.shape)} != expected {list(want.shape)}",
+                status=422,
+                field=f"params[{i}].shape",
+            )
+        if p.dtype != want.dtype:
+            raise UpdateRejected(
+                f"param {p.name!r}: dtype {p.dtype} != expected {want.dtype}",
+                status=422,
+                field=f"params[{i}].dtype",
+            )
+    missing = set(by_name) - {p.name for p in req.params}
+    if missing:
+        raise UpdateRejected(
+            f"update must carry every param; missing {len(missing)}, e.g. {sorted(missing)[:3]}",
+            status=422,
+            field="params",
+        )
+    digest = BucketPlan.build(req.params, req.bucket_bytes).digest()
+    if digest != req.plan_digest:
+        raise UpdateRejected(
+            "plan_digest does not match the bucket plan this server computes (SDK versions differ?)",
+            status=400,
+            field="plan_digest",
+        )
+
+
+# --- trainer ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSpec:
+    """What ``TrainerBackend.init`` loads and builds. ``model`` is an HF-format directory."""
+
+    model: str
+    dtype: str = "float32"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    #: Max global grad norm; None disables clipping (never an implicit default).
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Sequences to score or train on. Each sequence is the full token list (prompt + completion);
+    ``completion_start[i]`` is the index of its first completion token. Per-token fields
+    (``behaviour_logprobs``, ``ref_logprobs``) cover the completion tokens only."""
+
+    input_ids: Sequence[Sequence[int]]
+    completion_start: Sequence[int]
+    advantages: Sequence[float] = ()
+    behaviour_logprobs: Sequence[Sequence[float]] = ()
+    ref_logprobs: Sequence[Sequence[float]] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if len(self.completion_start) != n:
+            raise ValueError(f"completion_start: {len(self.completion_start)} entries for {n} sequences")
+        for name in ("advantages", "behaviour_logprobs", "ref_logprobs"):
+            v = getattr(self, name)
+            if v and len(v) != n:
+                raise ValueError(f"{name}: {len(v)} entries for {n} sequences")
+        for i, (ids, start) in enumerate(zip(self.input_ids, self.completion_start, strict=True)):
+            if not 1 <= start <= len(ids):
+                raise ValueError(f"completion_start[{i}]={start} outside 1..{len(ids)}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class Objective(Protocol):
+    """An RL objective: maps the new per-token logprobs of a micro-batch to a loss.
+
+    ``logprobs[i]`` has one entry per token of sequence i after the first (see
+    ``TrainerBackend.forward``). The returned loss is *summed* over micro-batches and ranks:
+    trainers make the accumulated gradient equal the gradient of that sum."""
+
+    def __call__(
+        self, logprobs: Sequence[torch.Tensor], batch: TokenBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """Where ``gather_and_broadcast`` puts full tensors, on trainer rank 0 only: one call per
+    param, in ``param_specs()`` order. The sink copies what it keeps before returning."""
+
+    def send(self, name: str, tensor: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    step: int
+    grad_norm: float
+    lr: float
+
+
+class TrainerBackend(ABC):
+    """One rank of a trainer. SPMD: every rank calls the same methods in the same order.
+
+    ``init`` loads HF-format weights (identical on every rank), shards them as the backend does,
+    and builds the optimizer. ``forward`` and ``backward`` see each rank's own micro-batch.
+    ``backward`` accumulates; only ``step`` changes weights (and zeroes gradients)."""
+
+    capabilities: TrainerCapabilities = TrainerCapabilities()
+
+    @abstractmethod
+    def init(self, spec: TrainerSpec) -> None: ...
+
+    @abstractmethod
+    def param_specs(self) -> list[ParamSpec]:
+        """The full (unsharded) params under HF names, in the order ``gather_and_broadcast``
+        yields them. The same on every rank."""
+
+    @abstractmethod
+    def forward(self, batch: TokenBatch) -> list[torch.Tensor]:
+        """Per sequence, the logprob of every token after the first given its prefix
+        (``len(ids) - 1`` values, float32, no grad)."""
+
+    @abstractmethod
+    def backward(self, batch: TokenBatch, objective: Objective) -> dict[str, float]:
+        """Accumulate gradients of ``objective`` on this micro-batch; returns its metrics."""
+
+    @abstractmethod
+    def step(self) -> StepMetrics:
+        """Reduce gradients across ranks, clip (if configured), step, zero gradients."""
+
+    @abstractmethod
+    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+        """Gather full tensors one layer at a time (peak extra memory: one layer) and hand each
+        to ``sink`` on rank 0; the other ranks pass None and take part in the gathers only."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+InferenceFactory = Callable[..., InferenceBackend]
+TrainerFactory = Callable[..., TrainerBackend]

@@ -1,0 +1,201 @@
+"""Async client of the inference contract (httpx), used by trainers and actors alike.
+
+Every failure raises :class:`~pipelinerl_sdk.errors.ServerError` naming the server's URL, with
+the HTTP status and the server's own message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from pipelinerl_sdk.errors import ServerError
+from pipelinerl_sdk.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    InitProcessGroupRequest,
+    InitProcessGroupResponse,
+    ProbeBroadcastRequest,
+    ServerInfo,
+    UpdateEvent,
+    WeightUpdateRequest,
+)
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+        err = body.get("error", body)
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except (json.JSONDecodeError, ValueError, AttributeError):
+        return resp.text[:500]
+
+
+class UpdateCall:
+    """One in-progress ``/request_weight_update``: :attr:`accepted` resolves when the server armed
+    its receive (or raises if it refused), :attr:`final` when it reports ``done``/``error``."""
+
+    def __init__(self, client: InferenceClient, req: WeightUpdateRequest) -> None:
+        self.url = client.url
+        loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future[UpdateEvent] = loop.create_future()
+        self.final: asyncio.Future[UpdateEvent] = loop.create_future()
+        self._task = asyncio.create_task(self._run(client, req))
+
+    async def _run(self, client: InferenceClient, req: WeightUpdateRequest) -> None:
+        try:
+            async with client._http.stream(
+                "POST",
+                "/request_weight_update",
+                json=req.model_dump(mode="json"),
+                headers=client._control_headers(),
+                timeout=httpx.Timeout(30.0, read=req.timeout_s + 60.0),
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise ServerError(self.url, _message(resp), status=resp.status_code)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = UpdateEvent.model_validate_json(line)
+                    if event.event == "accepted":
+                        self._resolve(self.accepted, event)
+                    else:
+                        self._resolve(self.accepted, event)
+                        if event.event == "error":
+                            raise ServerError(
+                                self.url,
+                                f"update to version {req.version} failed: {event.detail}",
+                                status=200,
+                            )
+                        self._resolve(self.final, event)
+                        return
+                raise ServerError(self.url, "update stream ended without a final event", status=200)
+        except ServerError as e:
+            self._fail(e)
+        except (httpx.HTTPError, ValueError) as e:
+            self._fail(ServerError(self.url, f"{type(e).__name__}: {e}"))
+        except asyncio.CancelledError:
+            self._fail(ServerError(self.url, "update call cancelled"))
+            raise
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future[UpdateEvent], event: UpdateEvent) -> None:
+        if not fut.done():
+            fut.set_result(event)
+
+    def _fail(self, e: ServerError) -> None:
+        for fut in (self.accepted, self.final):
+            if not fut.done():
+                fut.set_exception(e)
+        # Mark retrieved: the owner may only ever await one of the two.
+        for fut in (self.accepted, self.final):
+            fut.exception()
+
+    async def cancel(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class InferenceClient:
+    """One server. ``control_token`` for control routes, ``api_key`` for the OpenAI ones."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        control_token: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_connections: int = 256,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._control_token = control_token
+        self._api_key = api_key
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    def _control_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._control_token}"} if self._control_token else {}
+
+    def _api_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        control: bool,
+        body: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
+        headers = self._control_headers() if control else self._api_headers()
+        try:
+            resp = await self._http.request(
+                method,
+                path,
+                json=body,
+                headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.HTTPError as e:
+            raise ServerError(self.url, f"{method} {path}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 400:
+            raise ServerError(self.url, f"{method} {path}: {_message(resp)}", status=resp.status_code)
+        return resp.json()
+
+    async def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", "/health", control=False)
+        return result
+
+    async def info(self) -> ServerInfo:
+        return ServerInfo.model_validate(await self._call("GET", "/info", control=False))
+
+    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+        body = await self._call(
+            "POST",
+            "/init_process_group",
+            control=True,
+            body=req.model_dump(mode="json"),
+            timeout=req.timeout_s + 30,
+        )
+        return InitProcessGroupResponse.model_validate(body)
+
+    def request_weight_update(self, req: WeightUpdateRequest) -> UpdateCall:
+        """Start an update call; await ``.accepted`` before broadcasting, then ``.final``."""
+        return UpdateCall(self, req)
+
+    async def probe_broadcast(self, req: ProbeBroadcastRequest) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(
+            "POST",
+            "/probe_broadcast",
+            control=True,
+            body=req.model_dump(mode="json"),
+            timeout=req.timeout_s + 30,
+        )
+        return result
+
+    async def chat(self, req: ChatCompletionRequest | Mapping[str, Any]) -> ChatCompletionResponse:
+        body = req.model_dump(mode="json", exclude_none=True) if isinstance(req, ChatCompletionRequest) else dict(req)
+        return ChatCompletionResponse.model_validate(
+            await self._call("POST", "/v1/chat/completions", control=False, body=body)
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,304 @@
+"""The inference contract as one FastAPI router any engine can mount, and a uvicorn runner.
+
+Routes (control routes need ``Authorization: Bearer <control token>``; 401 without it, 403 with
+a wrong one):
+
+- ``GET /health``, ``GET /info`` (read-only, open);
+- ``POST /init_process_group`` (control);
+- ``POST /request_weight_update`` (control): validated first (4xx with a message, nothing
+  received); then ``200`` with an NDJSON stream: ``accepted`` once the receive is armed, then
+  ``done`` or ``error``;
+- ``POST /probe_broadcast`` (control): one flat broadcast, for link checks and benchmarks;
+- ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured).
+
+At most one control operation runs at a time; a second is refused with 409, never queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig
+from pipelinerl_sdk.errors import GroupError, PipelineRLError, UpdateRejected
+from pipelinerl_sdk.protocol import (
+    ChatCompletionRequest,
+    InitProcessGroupRequest,
+    ProbeBroadcastRequest,
+    ServerInfo,
+    UpdateEvent,
+    WeightUpdateRequest,
+)
+
+log = logging.getLogger("pipelinerl_sdk.server")
+
+
+class HTTPError(Exception):
+    """Raised inside a route: answered as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request", field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.field = status, message, kind, field
+
+
+def error_response(status: int, message: str, *, kind: str, field: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message, "field": field}}, status_code=status)
+
+
+def _bearer_guard(token: str | None, what: str) -> Callable[[Request], Awaitable[None]]:
+    async def guard(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer "):
+            raise HTTPError(401, f"missing bearer token for {what}", kind="authentication_error")
+        if not secrets.compare_digest(header[7:].strip().encode(), token.encode()):
+            raise HTTPError(403, f"wrong bearer token for {what}", kind="permission_error")
+
+    return guard
+
+
+class _ControlSlot:
+    """One control operation at a time; a second caller is refused (409), not queued."""
+
+    def __init__(self) -> None:
+        self.busy: str | None = None
+
+    def take(self, what: str) -> None:
+        if self.busy is not None:
+            raise HTTPError(
+                409,
+                f"another control operation is running ({self.busy}); retry after it",
+                kind="conflict",
+            )
+        self.busy = what
+
+    def release(self) -> None:
+        self.busy = None
+
+
+def build_router(backend: InferenceBackend, *, control_token: str, api_key: str | None) -> APIRouter:
+    """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
+    from ``api_key``."""
+    if not control_token:
+        raise ValueError("control_token must be set: control routes are never open")
+    if api_key is not None and secrets.compare_digest(control_token, api_key):
+        raise ValueError("control_token must differ from the OpenAI api_key")
+    control = Depends(_bearer_guard(control_token, "control routes"))
+    openai = Depends(_bearer_guard(api_key, "the OpenAI routes"))
+    slot = _ControlSlot()
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "version": backend.version}
+
+    @router.get("/info", response_model=ServerInfo)
+    async def info() -> ServerInfo:
+        return ServerInfo(
+            backend=backend.name,
+            model=backend.model_name,
+            version=backend.version,
+            receiving_workers=backend.receiving_workers,
+            receive_modes=sorted(backend.capabilities.receive_modes),
+            default_mode=backend.default_mode,
+            group=backend.group_state(),
+            updating=slot.busy is not None,
+            params=backend.param_specs(),
+        )
+
+    @router.post("/init_process_group", dependencies=[control])
+    async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
+        slot.take("init_process_group")
+        try:
+            resp = await backend.init_process_group(req)
+        except GroupError as e:
+            raise HTTPError(502, str(e), kind="group_error") from e
+        finally:
+            slot.release()
+        return resp.model_dump()
+
+    @router.post("/request_weight_update", dependencies=[control])
+    async def request_weight_update(req: WeightUpdateRequest) -> StreamingResponse:
+        slot.take(f"weight update to version {req.version}")
+        try:
+            backend.validate_update(req)
+        except UpdateRejected as e:
+            slot.release()
+            raise HTTPError(e.status, str(e), kind="update_rejected", field=e.field) from e
+        except BaseException:
+            slot.release()
+            raise
+        mode = req.mode or backend.default_mode
+        loop = asyncio.get_running_loop()
+        accepted = asyncio.Event()
+        started = time.perf_counter()
+
+        def on_accepted() -> None:
+            loop.call_soon_threadsafe(accepted.set)
+
+        # The update runs as its own task: a client that disconnects cannot cancel a receive
+        # half-way. The slot is released only when the update has really ended.
+        task = asyncio.create_task(backend.update_weights(req, mode, on_accepted))
+        task.add_done_callback(lambda _: slot.release())
+
+        async def events() -> AsyncIterator[bytes]:
+            waiter = asyncio.create_task(accepted.wait())
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if accepted.is_set():
+                yield _line(UpdateEvent(event="accepted", version=req.version, mode=mode))
+            try:
+                report = await asyncio.shield(task)
+            except Exception as e:
+                log.warning("weight update to version %d failed: %s", req.version, e)
+                yield _line(
+                    UpdateEvent(
+                        event="error",
+                        version=req.version,
+                        mode=mode,
+                        detail=f"{type(e).__name__}: {e}",
+                        timings={"total_s": time.perf_counter() - started},
+                    )
+                )
+                return
+            yield _line(UpdateEvent(event="done", version=report.version, mode=report.mode, timings=report.timings()))
+
+        return StreamingResponse(events(), media_type="application/x-ndjson")
+
+    @router.post("/probe_broadcast", dependencies=[control])
+    async def probe_broadcast(req: ProbeBroadcastRequest) -> dict[str, Any]:
+        slot.take("probe_broadcast")
+        try:
+            seconds = await backend.probe_broadcast(req)
+        except PipelineRLError as e:
+            raise HTTPError(502, str(e), kind="group_error") from e
+        finally:
+            slot.release()
+        return {"receive_s": seconds, "nbytes": req.nbytes}
+
+    @router.get("/v1/models", dependencies=[openai])
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": backend.model_name, "object": "model", "owned_by": backend.name}],
+        }
+
+    @router.post("/v1/chat/completions", dependencies=[openai])
+    async def chat_completions(req: ChatCompletionRequest) -> JSONResponse:
+        if req.model is not None and req.model != backend.model_name:
+            raise HTTPError(
+                404,
+                f"model {req.model!r} is not served here (serving {backend.model_name!r})",
+                field="model",
+            )
+        try:
+            resp = await backend.chat_completion(req)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from e
+        return JSONResponse(resp.model_dump(exclude_none=True))
+
+    return router
+
+
+def _line(event: UpdateEvent) -> bytes:
+    return (event.model_dump_json(exclude_none=True) + "\n").encode()
+
+
+def create_app(backend: InferenceBackend, *, control_token: str, api_key: str | None = None) -> FastAPI:
+    """A FastAPI app serving the contract over ``backend``, which it starts and stops."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = FastAPI(title=f"pipelinerl-sdk inference ({backend.name})", lifespan=lifespan)
+    app.include_router(build_router(backend, control_token=control_token, api_key=api_key))
+    install_error_handlers(app)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error as ``{"error": {"type", "message", "field"}}``."""
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
+        return error_response(e.status, e.message, kind=e.kind, field=e.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: {err.get('msg')}" for err in errors[:5]
+        )
+        return error_response(422, message, kind="invalid_request", field=field)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (and listen on) ``host:port``; port 0 picks a free one. OSError names the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot bind {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(backend: InferenceBackend, config: ServeConfig) -> None:
+    """Serve ``backend`` until SIGTERM/SIGINT. Writes ``config.ready_file`` (JSON: url, pid,
+    port) once the server answers, so a launcher never has to poll a guessed port."""
+    import uvicorn
+
+    sock = bind_socket(config.host, config.port)
+    port = sock.getsockname()[1]
+    app = create_app(backend, control_token=config.control_token, api_key=config.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning")))
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if serving.done():
+                await serving  # start-up failed: raise its error
+                return
+            await asyncio.sleep(0.05)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        ready = {
+            "url": f"http://{host}:{port}",
+            "pid": os.getpid(),
+            "port": port,
+            "backend": backend.name,
+        }
+        if config.ready_file:
+            tmp = f"{config.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(ready, f)
+            os.replace(tmp, config.ready_file)
+        print(f"pipelinerl: serving {backend.name} at {ready['url']}", flush=True)
+        await serving
+
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    asyncio.run(main())

@@ -1,0 +1,280 @@
+"""Backend discovery: pluggy hookspecs, a typed registry, guarded entry-point loading.
+
+A plugin is a module exposing ``@hookimpl def register_backends(registry)``, named by an entry
+point in the group :data:`ENTRY_POINT_GROUP`. Entry-point modules stay thin: they register
+*dotted paths* (``"pkg.module:factory"``), imported only when a backend is created, so listing
+backends never imports an engine.
+
+There is no global plugin manager: :func:`load_registry` builds a fresh one each call.
+Environment switches: ``PIPELINERL_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (built-ins
+too, since they are entry points like any other), ``PIPELINERL_PLUGINS=a,b`` loads only the
+named entry points.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Literal, TypeVar, cast
+
+import pluggy
+
+from pipelinerl_sdk.contracts import InferenceCapabilities, TrainerCapabilities
+from pipelinerl_sdk.errors import PluginError
+
+PROJECT = "pipelinerl_sdk"
+ENTRY_POINT_GROUP = "pipelinerl_sdk.backends"
+ENV_DISABLE_AUTOLOAD = "PIPELINERL_DISABLE_PLUGIN_AUTOLOAD"
+ENV_ALLOW = "PIPELINERL_PLUGINS"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+#: Decorate a plugin's ``register_backends`` with this.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+F = TypeVar("F", bound=Callable[..., Any])
+Kind = Literal["inference", "trainer"]
+
+
+class _HookSpecs:
+    @hookspec
+    def register_backends(self, registry: BackendRegistry) -> None:
+        """Called once per registry, right after the plugins are loaded. Register each backend
+        with ``registry.register_inference_backend`` / ``register_trainer_backend``; import
+        nothing heavy here."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    """A registered backend: ``factory`` is a callable or a ``"module:attr"`` path resolved by
+    :meth:`BackendRegistry.factory`."""
+
+    kind: Kind
+    name: str
+    factory: str | Callable[..., Any]
+    capabilities: InferenceCapabilities | TrainerCapabilities
+    plugin: str
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """One entry point's fate: ``status`` is ``loaded``, ``failed`` or ``skipped``."""
+
+    name: str
+    value: str
+    distribution: str | None
+    version: str | None
+    status: Literal["loaded", "failed", "skipped"]
+    error: str | None = None
+    backends: tuple[str, ...] = ()
+
+
+@dataclass
+class BackendRegistry:
+    """Registered backends by kind and name, and how each plugin loaded."""
+
+    entries: dict[tuple[Kind, str], BackendEntry] = field(default_factory=dict)
+    load_results: list[LoadResult] = field(default_factory=list)
+    _current_plugin: str = "<direct>"
+
+    def register_inference_backend(
+        self,
+        name: str,
+        factory: str | Callable[..., Any],
+        capabilities: InferenceCapabilities,
+        description: str = "",
+    ) -> None:
+        self._register("inference", name, factory, capabilities, description)
+
+    def register_trainer_backend(
+        self,
+        name: str,
+        factory: str | Callable[..., Any],
+        capabilities: TrainerCapabilities,
+        description: str = "",
+    ) -> None:
+        self._register("trainer", name, factory, capabilities, description)
+
+    def _register(
+        self,
+        kind: Kind,
+        name: str,
+        factory: str | Callable[..., Any],
+        capabilities: InferenceCapabilities | TrainerCapabilities,
+        description: str,
+    ) -> None:
+        if not name or not name.replace("-", "_").replace(".", "_").isidentifier():
+            raise PluginError(f"plugin {self._current_plugin!r}: invalid backend name {name!r}")
+        want = InferenceCapabilities if kind == "inference" else TrainerCapabilities
+        if not isinstance(capabilities, want):
+            raise PluginError(f"plugin {self._current_plugin!r}: {kind} backend {name!r} must declare {want.__name__}")
+        if isinstance(factory, str) and ":" not in factory:
+            raise PluginError(f"plugin {self._current_plugin!r}: factory {factory!r} must be 'module:attr'")
+        old = self.entries.get((kind, name))
+        if old is not None:
+            raise PluginError(
+                f"{kind} backend {name!r} registered twice: by {old.plugin!r} and by "
+                f"{self._current_plugin!r}; uninstall one or use {ENV_ALLOW} to choose"
+            )
+        self.entries[(kind, name)] = BackendEntry(kind, name, factory, capabilities, self._current_plugin, description)
+
+    def names(self, kind: Kind) -> list[str]:
+        return sorted(n for k, n in self.entries if k == kind)
+
+    def get(self, kind: Kind, name: str) -> BackendEntry:
+        try:
+            return self.entries[(kind, name)]
+        except KeyError:
+            known = ", ".join(self.names(kind)) or "none"
+            failed = [r for r in self.load_results if r.status == "failed"]
+            hint = f"; plugins that failed to load: {', '.join(r.name for r in failed)}" if failed else ""
+            raise PluginError(
+                f"no {kind} backend named {name!r} (installed: {known}){hint}; see `pipelinerl backends`"
+            ) from None
+
+    def factory(self, kind: Kind, name: str) -> Callable[..., Any]:
+        """Resolve (import) the factory of a backend; PluginError naming plugin and remedy."""
+        entry = self.get(kind, name)
+        if callable(entry.factory):
+            return entry.factory
+        module, _, attr = entry.factory.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise PluginError(
+                f"Error importing {kind} backend {name!r} from plugin {entry.plugin!r} ({entry.factory}): "
+                f"{type(e).__name__}: {e}. Is the engine installed in this environment?"
+            ) from e
+        return cast(Callable[..., Any], obj)
+
+
+def make_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(_HookSpecs)
+    return pm
+
+
+def _dist_of(ep: metadata.EntryPoint) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], dist.version
+
+
+def load_registry(
+    *,
+    autoload: bool | None = None,
+    allow: Iterable[str] | None = None,
+    plugins: Mapping[str, object] | None = None,
+    entry_points: Iterable[metadata.EntryPoint] | None = None,
+) -> BackendRegistry:
+    """Build a registry: load entry points (each inside its own try), register ``plugins``
+    (name -> module or object with hookimpls; for tests and embedding), call
+    ``register_backends`` on each plugin separately so one failing registration never hides the
+    others, then ``check_pending``.
+
+    ``autoload``/``allow`` default to the environment switches."""
+    if autoload is None:
+        autoload = os.environ.get(ENV_DISABLE_AUTOLOAD, "") not in ("1", "true", "yes")
+    if allow is None and os.environ.get(ENV_ALLOW):
+        allow = [a.strip() for a in os.environ[ENV_ALLOW].split(",") if a.strip()]
+    allowed = set(allow) if allow is not None else None
+    pm = make_plugin_manager()
+    registry = BackendRegistry()
+    loaded: list[tuple[str, object, LoadResult]] = []
+
+    if autoload:
+        eps = entry_points if entry_points is not None else metadata.entry_points(group=ENTRY_POINT_GROUP)
+        for ep in sorted(eps, key=lambda e: e.name):
+            dist, version = _dist_of(ep)
+            if allowed is not None and ep.name not in allowed and (dist or "") not in allowed:
+                registry.load_results.append(
+                    LoadResult(ep.name, ep.value, dist, version, "skipped", f"not in {ENV_ALLOW}")
+                )
+                continue
+            if pm.get_plugin(ep.name) is not None:
+                registry.load_results.append(
+                    LoadResult(
+                        ep.name,
+                        ep.value,
+                        dist,
+                        version,
+                        "skipped",
+                        "an entry point of that name was already loaded",
+                    )
+                )
+                continue
+            try:
+                plugin = ep.load()
+                pm.register(plugin, name=ep.name)
+            except Exception as e:
+                registry.load_results.append(
+                    LoadResult(
+                        ep.name,
+                        ep.value,
+                        dist,
+                        version,
+                        "failed",
+                        _describe(e, f'Error importing plugin "{ep.name}"'),
+                    )
+                )
+                continue
+            loaded.append((ep.name, plugin, LoadResult(ep.name, ep.value, dist, version, "loaded")))
+
+    for name, plugin in (plugins or {}).items():
+        try:
+            pm.register(plugin, name=name)
+        except Exception as e:
+            registry.load_results.append(LoadResult(name, repr(plugin), None, None, "failed", _describe(e, "")))
+            continue
+        loaded.append((name, plugin, LoadResult(name, repr(plugin), None, None, "loaded")))
+
+    pm.check_pending()
+    for name, plugin, result in loaded:
+        before = set(registry.entries)
+        registry._current_plugin = name
+        impls = [i for i in pm.hook.register_backends.get_hookimpls() if i.plugin is plugin]
+        try:
+            for impl in impls:
+                impl.function(registry=registry)
+        except Exception as e:
+            for key in set(registry.entries) - before:  # a half-registered plugin is not kept
+                del registry.entries[key]
+            registry.load_results.append(
+                LoadResult(
+                    result.name,
+                    result.value,
+                    result.distribution,
+                    result.version,
+                    "failed",
+                    _describe(e, f'Error in plugin "{name}" register_backends'),
+                )
+            )
+            continue
+        added = tuple(sorted(f"{k}:{n}" for k, n in set(registry.entries) - before))
+        registry.load_results.append(
+            LoadResult(
+                result.name,
+                result.value,
+                result.distribution,
+                result.version,
+                "loaded",
+                None,
+                added,
+            )
+        )
+    registry._current_plugin = "<direct>"
+    return registry
+
+
+def _describe(e: BaseException, prefix: str) -> str:
+    last = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    head = f"{prefix}: " if prefix else ""
+    return f"{head}{type(e).__name__}: {e}{where}"

@@ -1,0 +1,256 @@
+"""Wire types of the inference contract (HTTP bodies), shared by servers and clients.
+
+Every body is a pydantic model with ``extra="forbid"``: an unknown field is a 422 naming it,
+never silently dropped. This module imports no torch: dtypes travel as names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: Element size in bytes of every dtype the weight-sync protocol carries.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+DTypeName = Literal["float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+GroupBackend = Literal["gloo", "nccl"]
+ReceiveMode = Literal["direct", "staged"]
+
+_INIT_METHOD = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})$")
+
+
+class WireModel(BaseModel):
+    """Base of every body: unknown fields are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParamSpec(WireModel):
+    """One tensor of the model, under its Hugging Face name."""
+
+    name: Annotated[str, Field(min_length=1, max_length=512)]
+    dtype: DTypeName
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); ValueError naming the field otherwise."""
+    m = _INIT_METHOD.match(init_method)
+    if m is None:
+        raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
+    port = int(m.group("port"))
+    if not 0 < port < 65536:
+        raise ValueError(f"init_method port out of range: {port}")
+    return m.group("host").strip("[]"), port
+
+
+class InitProcessGroupRequest(WireModel):
+    """Join the weight-update group. The trainer is rank 0 and hosts the TCPStore at
+    ``init_method``; this server's workers take ranks ``rank_offset .. rank_offset+workers-1``."""
+
+    init_method: str
+    rank_offset: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    backend: GroupBackend = "gloo"
+    group_name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")] = (
+        "pipelinerl-weights"
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+
+    @field_validator("init_method")
+    @classmethod
+    def _check_init_method(cls, v: str) -> str:
+        parse_init_method(v)
+        return v
+
+
+class InitProcessGroupResponse(WireModel):
+    group_name: str
+    ranks: list[int]
+    world_size: int
+    backend: GroupBackend
+
+
+class WeightUpdateRequest(WireModel):
+    """Receive one broadcast of all ``params`` (in this order, bucketed by ``bucket_bytes``) and
+    serve them as ``version``. ``plan_digest`` is the sender's digest of the bucket plan; the
+    server recomputes the plan and refuses a mismatch before any receive starts."""
+
+    version: Annotated[int, Field(ge=1)]
+    params: Annotated[list[ParamSpec], Field(min_length=1)]
+    bucket_bytes: Annotated[int, Field(ge=1024, le=1 << 34)]
+    plan_digest: Annotated[str, Field(min_length=16, max_length=128)]
+    mode: ReceiveMode | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> WeightUpdateRequest:
+        seen: set[str] = set()
+        for p in self.params:
+            if p.name in seen:
+                raise ValueError(f"params: duplicate name {p.name!r}")
+            seen.add(p.name)
+        return self
+
+
+class UpdateEvent(WireModel):
+    """One NDJSON line of the ``/request_weight_update`` response stream.
+
+    ``accepted`` comes first, as soon as validation passed and the receive is armed; then exactly
+    one of ``done`` (the new weights are live) or ``error`` (old weights still serving)."""
+
+    event: Literal["accepted", "done", "error"]
+    version: int
+    mode: ReceiveMode | None = None
+    detail: str | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class ProbeBroadcastRequest(WireModel):
+    """Receive one flat broadcast of ``nbytes`` and discard it: a link check and the
+    benchmark's baseline. Guarded like the other control routes."""
+
+    nbytes: Annotated[int, Field(ge=1, le=1 << 34)]
+    probe_id: Annotated[int, Field(ge=0)]
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+
+
+class GroupState(WireModel):
+    group_name: str
+    ranks: list[int]
+    world_size: int
+    backend: GroupBackend
+    broken: bool
+    reason: str | None = None
+
+
+class ServerInfo(WireModel):
+    """``GET /info``: what a trainer checks before it broadcasts."""
+
+    backend: str
+    model: str
+    version: int
+    receiving_workers: int
+    receive_modes: list[ReceiveMode]
+    default_mode: ReceiveMode
+    group: GroupState | None
+    updating: bool
+    params: list[ParamSpec]
+
+
+# --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI chat-completion request. Extensions: ``return_token_ids`` (as in vLLM),
+    ``prompt_logprobs`` (logprob of every prompt token given its prefix). Unknown fields are
+    refused; OpenAI fields this contract cannot honour are refused with a message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    return_token_ids: bool = False
+    prompt_logprobs: bool = False
+    stream: Literal[False] = False
+    stop: None = None
+    user: str | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TopLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(WireModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(WireModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(WireModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "abort"]
+    logprobs: ChoiceLogprobs | None = None
+    #: Extension: completion token ids (with ``return_token_ids``).
+    token_ids: list[int] | None = None
+    #: Extension: the weight version that produced each completion token (always present).
+    weight_versions: list[int]
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(WireModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    #: Extension: with ``return_token_ids``.
+    prompt_token_ids: list[int] | None = None
+    #: Extension: with ``prompt_logprobs``; the first entry is None.
+    prompt_logprobs: list[float | None] | None = None
+
+
+class ErrorBody(WireModel):
+    """Every 4xx/5xx body of the contract: ``{"error": {"type", "message", "field"}}``."""
+
+    error: dict[str, Any]

@@ -1,0 +1,225 @@
+"""Trainer rank 0: form the weight-update group with a fleet of servers and publish updates.
+
+One update, end to end::
+
+    async with publisher.update(version, trainer.param_specs()) as sink:
+        await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+
+1. every server gets ``/request_weight_update`` and validates it (4xx: nothing received);
+2. once *all* servers accepted, rank 0 posts ``go`` in the store; if any refused, it posts
+   ``abort`` so the others return at once, and raises :class:`FanOutError` naming each server;
+3. the body streams tensors through the bucket plan; on exit the publisher waits for the last
+   broadcast and for every server's ``done``; any failure raises, naming the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import cast
+
+from pipelinerl_sdk.errors import FanOutError, GroupError, PipelineRLError, ServerError
+from pipelinerl_sdk.http.client import InferenceClient, UpdateCall
+from pipelinerl_sdk.protocol import (
+    GroupBackend,
+    InitProcessGroupRequest,
+    ParamSpec,
+    ProbeBroadcastRequest,
+    ReceiveMode,
+    ServerInfo,
+    UpdateEvent,
+    WeightUpdateRequest,
+)
+from pipelinerl_sdk.weights.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.receive import update_key
+from pipelinerl_sdk.weights.send import SendStats, WeightSender, broadcast_flat
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    version: int
+    send: SendStats
+    #: Per server URL, its ``done`` event (timings: pause_s, receive_s, apply_s, total_s).
+    events: dict[str, UpdateEvent]
+    wall_s: float
+
+
+class WeightPublisher:
+    """Owns the trainer's side of the group and the fan-out to ``clients``."""
+
+    def __init__(
+        self,
+        clients: Sequence[InferenceClient],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        mode: ReceiveMode | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if not clients:
+            raise ValueError("clients: at least one inference server is required")
+        self.clients = list(clients)
+        self.bucket_bytes = bucket_bytes
+        self.mode = mode
+        self.timeout_s = timeout_s
+        self.group: WeightSyncGroup | None = None
+        #: The last successful update's figures.
+        self.last: PublishResult | None = None
+        self._probe_ids = itertools.count()
+
+    async def connect(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: GroupBackend = "gloo",
+        group_name: str = "pipelinerl-weights",
+    ) -> None:
+        """Form the group: rank 0 here, each server's workers at consecutive ranks after it.
+        Raises FanOutError naming every server that failed to join."""
+        infos = cast(list[ServerInfo], await _fan_out([c.info() for c in self.clients], self.clients))
+        world = 1 + sum(i.receiving_workers for i in infos)
+        port = port or free_port(host)
+        init_method = f"tcp://{host}:{port}"
+        offsets = list(itertools.accumulate([1] + [i.receiving_workers for i in infos]))[:-1]
+        cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s)
+        own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, cfg))
+        joins = [
+            c.init_process_group(
+                InitProcessGroupRequest(
+                    init_method=init_method,
+                    rank_offset=off,
+                    world_size=world,
+                    backend=backend,
+                    group_name=group_name,
+                    timeout_s=self.timeout_s,
+                )
+            )
+            for c, off in zip(self.clients, offsets, strict=True)
+        ]
+        results = await asyncio.gather(*joins, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        try:
+            group = await own
+        except GroupError as e:
+            errors.append(ServerError(init_method, f"trainer side of the group: {e}"))
+            group = None
+        if errors:
+            if group is not None:
+                group.close()
+            raise FanOutError([e if isinstance(e, ServerError) else ServerError("?", str(e)) for e in errors])
+        if self.group is not None:
+            self.group.close()
+        self.group = group
+
+    def _require_group(self) -> WeightSyncGroup:
+        if self.group is None:
+            raise GroupError("not connected: call connect() first")
+        if self.group.broken:
+            raise GroupError(f"group broken ({self.group.broken}); call connect() again")
+        return self.group
+
+    @asynccontextmanager
+    async def update(self, version: int, params: Sequence[ParamSpec]) -> AsyncIterator[WeightSender]:
+        """Publish ``version``: yields the sender once every server accepted (see module doc)."""
+        group = self._require_group()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        plan = BucketPlan.build(params, self.bucket_bytes)
+        req = WeightUpdateRequest(
+            version=version,
+            params=list(params),
+            bucket_bytes=self.bucket_bytes,
+            plan_digest=plan.digest(),
+            mode=self.mode,
+            timeout_s=self.timeout_s,
+        )
+        key = update_key(version)
+        calls = [c.request_weight_update(req) for c in self.clients]
+        accepted = await asyncio.gather(*(c.accepted for c in calls), return_exceptions=True)
+        refused = [r for r in accepted if isinstance(r, BaseException)]
+        if refused:
+            group.post_decision(key, go=False, reason="; ".join(str(r) for r in refused))
+            await asyncio.gather(*(c.final for c in calls), return_exceptions=True)
+            group.clear_decision(key)
+            raise FanOutError(
+                [_as_server_error(r, c) for r, c in zip(accepted, calls, strict=True) if isinstance(r, BaseException)]
+            )
+        group.post_decision(key, go=True)
+        sender = WeightSender(group, plan)
+        try:
+            yield sender
+            stats = await asyncio.to_thread(sender.finish)
+        except BaseException as e:
+            # The receivers are mid-broadcast: they fail on their timeout (or at once if the
+            # group notices). Their old weights keep serving; report both sides.
+            group.mark_broken(f"sender failed: {e}")
+            finals = await asyncio.gather(*(c.final for c in calls), return_exceptions=True)
+            server_errors = [
+                _as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)
+            ]
+            if isinstance(e, PipelineRLError | ValueError) and server_errors:
+                raise FanOutError(server_errors) from e
+            raise
+        finally:
+            group.clear_decision(key)
+        finals = await asyncio.gather(*(c.final for c in calls), return_exceptions=True)
+        failures = [_as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)]
+        if failures:
+            raise FanOutError(failures)
+        self.last = PublishResult(
+            version,
+            stats,
+            {c.url: r for c, r in zip(calls, finals, strict=True) if isinstance(r, UpdateEvent)},
+            loop.time() - t0,
+        )
+
+    async def probe(self, nbytes: int) -> tuple[float, dict[str, float]]:
+        """One flat broadcast of ``nbytes`` to every server: (send seconds, receive seconds by
+        server). The baseline for ``update_over_flat_broadcast``."""
+        group = self._require_group()
+        probe_id = next(self._probe_ids)
+        key = f"probe/{probe_id}"
+        req = ProbeBroadcastRequest(nbytes=nbytes, probe_id=probe_id, timeout_s=self.timeout_s)
+        receives = [asyncio.create_task(c.probe_broadcast(req)) for c in self.clients]
+        await asyncio.sleep(0)
+        group.post_decision(key, go=True)
+        try:
+            send_s = await asyncio.to_thread(broadcast_flat, group, nbytes)
+            results = await _fan_out(receives, self.clients)
+        finally:
+            group.clear_decision(key)
+        by_url = {c.url: cast(dict[str, float], r)["receive_s"] for c, r in zip(self.clients, results, strict=True)}
+        return send_s, by_url
+
+    async def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _as_server_error(r: BaseException, call: UpdateCall) -> ServerError:
+    return r if isinstance(r, ServerError) else ServerError(call.url, f"{type(r).__name__}: {r}")
+
+
+async def _fan_out(aws: Sequence[object], clients: Sequence[InferenceClient]) -> list[object]:
+    results = await asyncio.gather(*aws, return_exceptions=True)  # type: ignore[call-overload]
+    errors = [
+        r if isinstance(r, ServerError) else ServerError(c.url, f"{type(r).__name__}: {r}")
+        for r, c in zip(results, clients, strict=True)
+        if isinstance(r, BaseException)
+    ]
+    if errors:
+        raise FanOutError(errors)
+    return list(results)

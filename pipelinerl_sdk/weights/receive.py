@@ -1,0 +1,94 @@
+"""Server side: receive one update into a staging buffer, then apply it in one local copy.
+
+A receiver never writes model weights while receiving. Whatever happens during the receive
+(timeout, lost trainer, abort), the model is untouched; only :func:`apply_staged`, which runs
+after every byte has arrived, writes them. The two receive modes differ only in *when* the
+engine is paused: ``direct`` pauses before the receive, ``staged`` only around the apply.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import WeightSyncGroup
+from pipelinerl_sdk.weights.tensors import from_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StagedWeights:
+    """Every param of one update, received and not yet applied. Views into the receiver's
+    staging buffer: valid until the receiver's next :meth:`WeightReceiver.receive`."""
+
+    plan: BucketPlan
+    buffer: torch.Tensor
+    receive_s: float
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for b in self.plan.buckets:
+            for e in b.entries:
+                start = b.offset + e.offset
+                yield e.spec.name, from_bytes(self.buffer[start : start + e.spec.nbytes], e.spec)
+
+
+def update_key(version: int) -> str:
+    """The store key of the trainer's decision for ``version``."""
+    return f"update/{version}"
+
+
+class WeightReceiver:
+    """One receiving worker. Owns a staging buffer of the plan's total size, kept across
+    updates of the same size. Not thread-safe: one receive at a time (the server's update lock)."""
+
+    def __init__(self, group: WeightSyncGroup) -> None:
+        self.group = group
+        self._buffer: torch.Tensor | None = None
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() != nbytes:
+            self._buffer = None  # free the old one before allocating
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        return self._buffer
+
+    def receive(self, plan: BucketPlan, key: str, *, decision_timeout_s: float) -> StagedWeights:
+        """Wait for the trainer's decision on ``key``, then receive every bucket of ``plan``.
+
+        Raises :class:`~pipelinerl_sdk.errors.UpdateAborted` if the trainer called it off (the
+        group stays healthy), :class:`GroupError` on a timeout or a lost peer (the group is then
+        broken)."""
+        self.group.await_decision(key, decision_timeout_s)
+        buf = self._staging(plan.total_bytes)
+        t0 = time.perf_counter()
+        for b in plan.buckets:
+            self.group.broadcast(buf[b.offset : b.offset + b.nbytes], 0, what=f"receive of bucket {b.index}")
+        return StagedWeights(plan, buf, time.perf_counter() - t0)
+
+    def receive_flat(self, nbytes: int, key: str, *, decision_timeout_s: float) -> float:
+        """The probe: receive one flat broadcast of ``nbytes`` and discard it."""
+        self.group.await_decision(key, decision_timeout_s)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        t0 = time.perf_counter()
+        self.group.broadcast(buf, 0, what="probe receive")
+        return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def apply_staged(staged: StagedWeights, params: Mapping[str, torch.Tensor]) -> int:
+    """Copy every staged tensor into ``params`` (name -> the live tensor); returns bytes copied.
+
+    Callers validate names and shapes before the receive, so a missing name here is a bug:
+    it raises KeyError before anything is written."""
+    pairs = [(params[name], t) for name, t in staged.tensors()]
+    copied = 0
+    for dst, src in pairs:
+        dst.copy_(src)
+        copied += src.numel() * src.element_size()
+    return copied
+
+
+__all__ = ["GroupError", "StagedWeights", "WeightReceiver", "apply_staged", "update_key"]

@@ -1,0 +1,44 @@
+"""Dtype names <-> torch dtypes, and byte views of tensors (the only torch glue the protocol needs)."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelinerl_sdk.protocol import DTYPE_SIZES, DTypeName, ParamSpec
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES: dict[torch.dtype, DTypeName] = {v: k for k, v in TORCH_DTYPES.items()}  # type: ignore[misc]
+assert set(TORCH_DTYPES) == set(DTYPE_SIZES)
+
+
+def dtype_name(dtype: torch.dtype) -> DTypeName:
+    """The wire name of ``dtype``; ValueError for a dtype the protocol does not carry."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not carried by the weight-sync protocol") from None
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> ParamSpec:
+    return ParamSpec(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``tensor`` (copied first if it is not contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+    """A typed, shaped view of the first ``spec.nbytes`` of ``raw`` (no copy)."""
+    return raw[: spec.nbytes].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
