@@ -89,6 +89,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options=_options(args.option),
     )
     factory = load_registry().factory("inference", args.backend)
+    if args.port:  # fail before loading a model, not after
+        from pipelinerl_sdk.http.server import bind_socket
+
+        bind_socket(args.host, args.port).close()
     backend = factory(config)
     backend.serve(config)
     return 0

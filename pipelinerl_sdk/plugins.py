@@ -212,7 +212,7 @@ def load_registry(
                 continue
             try:
                 plugin = ep.load()
-                pm.register(plugin, name=ep.name)
+                _register_checked(pm, plugin, ep.name)
             except Exception as e:
                 registry.load_results.append(
                     LoadResult(
@@ -229,7 +229,7 @@ def load_registry(
 
     for name, plugin in (plugins or {}).items():
         try:
-            pm.register(plugin, name=name)
+            _register_checked(pm, plugin, name)
         except Exception as e:
             registry.load_results.append(LoadResult(name, repr(plugin), None, None, "failed", _describe(e, "")))
             continue
@@ -271,6 +271,17 @@ def load_registry(
         )
     registry._current_plugin = "<direct>"
     return registry
+
+
+def _register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Register one plugin and check its hooks now, so that an unknown hook (a typo such as
+    ``register_backend``) fails this plugin alone instead of the final ``check_pending``."""
+    pm.register(plugin, name=name)
+    try:
+        pm.check_pending()
+    except Exception:
+        pm.unregister(name=name)
+        raise
 
 
 def _describe(e: BaseException, prefix: str) -> str:

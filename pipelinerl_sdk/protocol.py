@@ -28,7 +28,8 @@ DTypeName = Literal["float64", "float32", "bfloat16", "float16", "int64", "int32
 GroupBackend = Literal["gloo", "nccl"]
 ReceiveMode = Literal["direct", "staged"]
 
-_INIT_METHOD = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})$")
+# ASCII only (``\d`` would take any Unicode digit) and matched whole (``$`` allows a trailing "\n").
+_INIT_METHOD = re.compile(r"tcp://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})")
 
 
 class WireModel(BaseModel):
@@ -58,7 +59,7 @@ class ParamSpec(WireModel):
 
 def parse_init_method(init_method: str) -> tuple[str, int]:
     """``tcp://host:port`` -> (host, port); ValueError naming the field otherwise."""
-    m = _INIT_METHOD.match(init_method)
+    m = _INIT_METHOD.fullmatch(init_method)
     if m is None:
         raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
     port = int(m.group("port"))
@@ -170,8 +171,8 @@ class ChatMessage(WireModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """OpenAI chat-completion request. Extensions: ``return_token_ids`` (as in vLLM),
-    ``prompt_logprobs`` (logprob of every prompt token given its prefix). Unknown fields are
+    """OpenAI chat-completion request. Extensions: ``return_token_ids`` and ``ignore_eos`` (as in
+    vLLM), ``prompt_logprobs`` (logprob of every prompt token given its prefix). Unknown fields are
     refused; OpenAI fields this contract cannot honour are refused with a message."""
 
     model_config = ConfigDict(extra="forbid")
@@ -188,6 +189,8 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     return_token_ids: bool = False
     prompt_logprobs: bool = False
+    #: Extension (as in vLLM): generate exactly the token budget, ignoring end-of-sequence.
+    ignore_eos: bool = False
     stream: Literal[False] = False
     stop: None = None
     user: str | None = None

@@ -45,7 +45,7 @@ from pipelinerl_sdk.reference.engine import (
 from pipelinerl_sdk.reference.tiny import load_model
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
-from pipelinerl_sdk.weights.receive import WeightReceiver, apply_staged, update_key
+from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver, apply_staged, update_key
 from pipelinerl_sdk.weights.tensors import spec_of
 
 CAPABILITIES = capabilities.INFERENCE
@@ -175,7 +175,7 @@ class ReferenceInferenceBackend(InferenceBackend):
         key = update_key(req.version)
         t0 = time.perf_counter()
 
-        def receive() -> object:
+        def receive() -> StagedWeights:
             return receiver.receive(plan, key, decision_timeout_s=req.timeout_s)
 
         try:
@@ -184,14 +184,14 @@ class ReferenceInferenceBackend(InferenceBackend):
                 staged = await asyncio.to_thread(receive)
                 async with self.engine.paused() as hold:
                     t_apply = time.perf_counter()
-                    apply_staged(staged, self._params)  # type: ignore[arg-type]
+                    apply_staged(staged, self._params)
                     apply_s = time.perf_counter() - t_apply
                     self.engine.set_version(req.version)
             else:
                 async with self.engine.paused() as hold:
                     staged = await asyncio.to_thread(receive)
                     t_apply = time.perf_counter()
-                    apply_staged(staged, self._params)  # type: ignore[arg-type]
+                    apply_staged(staged, self._params)
                     apply_s = time.perf_counter() - t_apply
                     self.engine.set_version(req.version)
         except UpdateAborted:
@@ -202,7 +202,7 @@ class ReferenceInferenceBackend(InferenceBackend):
             version=req.version,
             mode=mode,
             pause_s=hold.held_s,
-            receive_s=staged.receive_s,  # type: ignore[attr-defined]
+            receive_s=staged.receive_s,
             apply_s=apply_s,
             total_s=time.perf_counter() - t0,
         )
@@ -222,12 +222,13 @@ class ReferenceInferenceBackend(InferenceBackend):
 
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         messages = [m.model_dump() for m in req.messages]
-        prompt_ids: list[int] = self.tokenizer.apply_chat_template(
+        encoded = self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             tokenize=True,
             return_dict=False,
         )
+        prompt_ids = [int(t) for t in encoded]  # type: ignore[arg-type]
         max_tokens = req.token_budget or DEFAULT_MAX_TOKENS
         top = req.top_logprobs or 0
         if top and not req.logprobs:
@@ -243,6 +244,7 @@ class ReferenceInferenceBackend(InferenceBackend):
                         seed=None if req.seed is None else req.seed + i,
                         top_logprobs=top,
                         prompt_logprobs=req.prompt_logprobs and i == 0,
+                        ignore_eos=req.ignore_eos,
                     ),
                 )
                 for i in range(req.n)
@@ -265,14 +267,14 @@ class ReferenceInferenceBackend(InferenceBackend):
         )
 
     def _choice(self, index: int, r: GenerationResult, req: ChatCompletionRequest) -> ChatChoice:
-        text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        text = str(self.tokenizer.decode(r.token_ids, skip_special_tokens=True))
         logprobs = None
         if req.logprobs:
             tokens = self.tokenizer.convert_ids_to_tokens(r.token_ids)
             content = []
             for j, (tok, lp) in enumerate(zip(tokens, r.logprobs, strict=True)):
                 tops = [
-                    TopLogprob(token=self.tokenizer.convert_ids_to_tokens(tid), logprob=tlp)
+                    TopLogprob(token=str(self.tokenizer.convert_ids_to_tokens(tid)), logprob=tlp)
                     for tid, tlp in (r.top_logprobs[j] if r.top_logprobs else [])
                 ]
                 content.append(TokenLogprob(token=tok, logprob=lp, top_logprobs=tops))

@@ -99,7 +99,7 @@ class ReferenceTrainer(TrainerBackend):
         model, _, _ = self._require()
         logprobs = token_logprobs(model, batch.input_ids, self._pad_id)
         loss, metrics = objective(logprobs, batch)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         return {"loss": float(loss.detach()), **metrics}
 
     def step(self) -> StepMetrics:

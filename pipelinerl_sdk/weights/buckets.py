@@ -81,7 +81,9 @@ class BucketPlan:
 
         for spec in params:
             offset = _align(used)
-            if entries and offset + spec.nbytes > bucket_bytes:
+            # Compare the padded end: the bucket's size is aligned, and padding must not push a
+            # shared bucket past ``bucket_bytes`` either.
+            if entries and _align(offset + spec.nbytes) > bucket_bytes:
                 close()
                 offset = 0
             entries.append(BucketEntry(spec, offset))

@@ -1,0 +1,368 @@
+"""The reference continuous-batching engine against plain transformers forwards (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from pipelinerl_sdk.reference.engine import (
+    ContinuousBatchingEngine,
+    GenerationResult,
+    SamplingParams,
+)
+from pipelinerl_sdk.reference.tiny import build_tiny_model, load_model
+
+T = TypeVar("T")
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    "What is 12+7?",
+    "hi",
+    "<|im_start|>user\nThe quick red dog runs and jumps over the old cat.<|im_end|>\n<|im_start|>assistant\n",
+    "1",
+    "please add 3 and 4, then multiply the result by 2",
+    "who thinks so",
+]
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("engine-model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("engine-model-b"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> PreTrainedModel:
+    return load_model(model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    tokenizer = load_model(model_dir)[1]
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def full_logprobs(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    """log_softmax of one plain forward over ``ids``: row i predicts ids[i + 1]."""
+    with torch.inference_mode():
+        logits: torch.Tensor = model(torch.tensor([ids])).logits[0]
+    return logits.float().log_softmax(-1)
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]  # GenerationMixin, typed loosely
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def started(model: PreTrainedModel, **kwargs: Any) -> ContinuousBatchingEngine:
+    kwargs.setdefault("eos_token_ids", [model.config.eos_token_id])
+    engine = ContinuousBatchingEngine(model, **kwargs)
+    await engine.start()
+    return engine
+
+
+def test_greedy_batched_equals_hf_and_full_forward(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    eos = model.config.eos_token_id
+    lengths = [24, 40, 8, 33, 17, 29]
+
+    async def main() -> list[GenerationResult]:
+        engine = await started(model, max_batch_size=8)
+        tasks = []
+        for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+            params = SamplingParams(max_tokens=n, temperature=0.0, top_logprobs=3)
+            tasks.append(asyncio.create_task(engine.generate(prompt, params)))
+            if i % 2:  # stagger arrivals: later requests join a batch that is already decoding
+                await asyncio.sleep(0.01)
+        results = await asyncio.gather(*tasks)
+        stats = engine.stats()
+        assert stats.running == 0 and stats.waiting == 0
+        assert stats.generated_tokens == sum(len(r.token_ids) for r in results)
+        await engine.stop()
+        return results
+
+    results = run(main())
+    for prompt, n, res in zip(prompts, lengths, results, strict=True):
+        assert res.prompt_token_ids == prompt
+        assert res.token_ids == hf_greedy(model, prompt, n, eos)
+        stopped = res.token_ids[-1] == eos
+        assert res.finish_reason == ("stop" if stopped else "length")
+        assert stopped or len(res.token_ids) == n
+        assert res.versions == [0] * len(res.token_ids)
+        assert res.prompt_logprobs is None
+        ref = full_logprobs(model, prompt + res.token_ids)[len(prompt) - 1 : -1]
+        targets = torch.tensor(res.token_ids)
+        expected = ref.gather(-1, targets[:, None])[:, 0]
+        assert (torch.tensor(res.logprobs) - expected).abs().max().item() <= 1e-5
+        top = ref.topk(3, dim=-1)
+        for i, alternatives in enumerate(res.top_logprobs):
+            assert [t for t, _ in alternatives] == top.indices[i].tolist()
+            assert max(abs(lp - e) for (_, lp), e in zip(alternatives, top.values[i].tolist(), strict=True)) <= 1e-5
+            assert alternatives[0][0] == res.token_ids[i]  # greedy picks the best
+
+
+def test_prompt_logprobs_match_full_forward(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    async def main() -> list[GenerationResult]:
+        engine = await started(model)
+        params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=True)
+        results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        await engine.stop()
+        return list(results)
+
+    results = run(main())
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.prompt_logprobs is not None and len(res.prompt_logprobs) == len(prompt)
+        assert res.prompt_logprobs[0] is None
+        if len(prompt) == 1:
+            continue
+        ref = full_logprobs(model, prompt)[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(res.prompt_logprobs[1:])
+        assert (got - ref).abs().max().item() <= 1e-5
+
+
+def test_admission_queue_and_seeded_sampling(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    sampled = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i) for i in range(10)]
+
+    async def main() -> tuple[list[GenerationResult], list[GenerationResult], int, int, list[GenerationResult]]:
+        engine = await started(model, max_batch_size=3)
+        tasks = [asyncio.create_task(engine.generate(prompts[i % len(prompts)], p)) for i, p in enumerate(sampled)]
+        max_running = max_waiting = 0
+        while not all(t.done() for t in tasks):
+            stats = engine.stats()
+            max_running, max_waiting = max(max_running, stats.running), max(max_waiting, stats.waiting)
+            await asyncio.sleep(0.001)
+        first = [t.result() for t in tasks]
+        # Same seeds, another batch composition (one at a time): same tokens.
+        again = [await engine.generate(prompts[i % len(prompts)], p) for i, p in enumerate(sampled)]
+        # A tiny top_p keeps only the most likely token: sampling becomes greedy.
+        narrow = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=1.0, top_p=1e-6)
+        pairs = await asyncio.gather(*(engine.generate(p, q) for p in prompts[:3] for q in (narrow, GREEDY)))
+        await engine.stop()
+        return first, again, max_running, max_waiting, list(pairs)
+
+    out = run(main())
+    first, again, max_running, max_waiting, pairs = out
+    assert all(len(r.token_ids) == 12 or r.finish_reason == "stop" for r in first)
+    assert max_running <= 3 and max_waiting >= 1
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    for a, b in zip(first, again, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+    assert len({tuple(r.token_ids) for r in first}) > 5  # seeds differ, samples differ
+    for i in range(0, len(pairs), 2):
+        assert pairs[i].token_ids == pairs[i + 1].token_ids
+
+
+def _weights_of(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_in_flight_weight_update(model_dir: Path, other_dir: Path, prompts: list[list[int]]) -> None:
+    served = load_model(model_dir)[0]
+    old = load_model(model_dir)[0]
+    new = load_model(other_dir)[0]
+    new_weights = _weights_of(new)
+    max_tokens = 400
+
+    async def main() -> tuple[list[GenerationResult], int, int, float, bool]:
+        engine = await started(served, eos_token_ids=[], max_batch_size=4)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        tasks = [asyncio.create_task(engine.generate(p, params)) for p in (prompts[0], prompts[2])]
+        while engine.stats().generated_tokens < 40:
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError):
+            engine.set_version(1)
+        async with engine.paused() as handle:
+            before = engine.stats()
+            await asyncio.sleep(0.3)
+            after = engine.stats()
+            with torch.no_grad():
+                for name, tensor in engine.model.state_dict().items():
+                    tensor.copy_(new_weights[name])
+            engine.set_version(1)
+            assert engine.version == 1
+        results = await asyncio.gather(*tasks)
+        await engine.stop()
+        return list(results), before.generated_tokens, after.generated_tokens, handle.held_s, after.paused
+
+    out = run(main())
+    results, before, after, held_s, was_paused = out
+    assert before == after and was_paused
+    assert 0.3 <= held_s < 5.0
+    for prompt, res in zip((prompts[0], prompts[2]), results, strict=True):
+        assert res.finish_reason == "length" and len(res.token_ids) == max_tokens
+        k = res.versions.index(1)
+        assert 0 < k < max_tokens
+        assert res.versions == [0] * k + [1] * (max_tokens - k)
+        # Tokens before the switch: the old weights, full forward.
+        ref_old = full_logprobs(old, prompt + res.token_ids)[len(prompt) - 1 : -1]
+        got = torch.tensor(res.logprobs)
+        expected_old = ref_old[:k].gather(-1, torch.tensor(res.token_ids[:k])[:, None])[:, 0]
+        assert (got[:k] - expected_old).abs().max().item() <= 1e-5
+        # After it: K/V of everything up to token k-2 came from the old weights (stale cache),
+        # the rest from the new ones. Rebuild exactly that and decode with the new weights.
+        with torch.inference_mode():
+            cache = DynamicCache()
+            context = prompt + res.token_ids[: k - 1]
+            old(torch.tensor([context]), past_key_values=cache, use_cache=True)
+            for j in range(k, max_tokens):
+                position = len(prompt) + j - 1
+                logits = new(
+                    torch.tensor([[res.token_ids[j - 1]]]),
+                    position_ids=torch.tensor([[position]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[0, -1]
+                logp = logits.float().log_softmax(-1)
+                assert abs(logp[res.token_ids[j]].item() - res.logprobs[j]) <= 1e-4, j
+                best = logp.topk(2).values
+                if (best[0] - best[1]).item() > 1e-4:
+                    assert int(logp.argmax()) == res.token_ids[j], j
+        # The update changed the distribution the tokens were drawn from.
+        assert abs(ref_old[k, res.token_ids[k]].item() - res.logprobs[k]) > 1e-3
+
+
+def test_pauses_are_serialised(model: PreTrainedModel) -> None:
+    async def main() -> list[str]:
+        engine = await started(model)
+        events: list[str] = []
+
+        async def hold(name: str) -> None:
+            async with engine.paused() as handle:
+                events.append(f"enter {name}")
+                await asyncio.sleep(0.05)
+                events.append(f"exit {name}")
+            assert handle.held_s >= 0.05
+
+        await asyncio.gather(hold("a"), hold("b"))
+        assert not engine.stats().paused
+        async with engine.paused(), engine.paused() as inner:  # nested in one task: no deadlock
+            engine.set_version(3)
+        assert inner.held_s >= 0 and engine.version == 3 and not engine.stats().paused
+        res = await engine.generate([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(res.token_ids) == 3
+        await engine.stop()
+        return events
+
+    assert run(main()) == ["enter a", "exit a", "enter b", "exit b"]
+
+
+def test_stop_conditions_and_validation(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    eos = model.config.eos_token_id
+    greedy = hf_greedy(model, prompts[4], 20, eos)
+    stop_token = greedy[5]
+    first_stop = greedy.index(stop_token)
+
+    async def main() -> None:
+        engine = ContinuousBatchingEngine(model, eos_token_ids=[eos], max_model_len=32)
+        with pytest.raises(RuntimeError):
+            await engine.generate([1, 2], GREEDY)
+        await engine.start()
+        res = await engine.generate(
+            prompts[4], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop_token,))
+        )
+        assert res.token_ids == greedy[: first_stop + 1] and res.finish_reason == "stop"
+        res = await engine.generate(list(range(3, 30)), SamplingParams(max_tokens=100, temperature=0.0))
+        assert len(res.token_ids) == 32 - 27 and res.finish_reason == "length"
+        await engine.stop()
+        # an EOS id ends a request unless ignore_eos; explicit stop ids end it either way
+        engine = ContinuousBatchingEngine(model, eos_token_ids=[stop_token], max_model_len=32)
+        await engine.start()
+        res = await engine.generate(prompts[4], SamplingParams(max_tokens=12, temperature=0.0))
+        assert res.token_ids == greedy[: first_stop + 1] and res.finish_reason == "stop"
+        res = await engine.generate(prompts[4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        assert res.token_ids == greedy[:12] and res.finish_reason == "length"
+        res = await engine.generate(
+            prompts[4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,))
+        )
+        assert res.finish_reason == "stop" and len(res.token_ids) == first_stop + 1
+        for bad_prompt, bad_params in [
+            ([], GREEDY),
+            (list(range(3, 35)), GREEDY),
+            ([10**6], GREEDY),
+            ([3], SamplingParams(max_tokens=0)),
+            ([3], SamplingParams(top_p=0.0)),
+            ([3], SamplingParams(top_logprobs=21)),
+            ([3], SamplingParams(temperature=-1.0)),
+        ]:
+            with pytest.raises(ValueError):
+                await engine.generate(bad_prompt, bad_params)
+        await engine.stop()
+
+    run(main())
+
+
+def test_cancel_stop_abort_and_step_errors(model_dir: Path) -> None:
+    served = load_model(model_dir)[0]
+    long = SamplingParams(max_tokens=1500, temperature=0.0)
+
+    async def main() -> None:
+        engine = await started(served, eos_token_ids=[], max_model_len=4096)
+        # Cancelling the caller drops the request from the batch.
+        task = asyncio.create_task(engine.generate([3, 4, 5], long))
+        while engine.stats().generated_tokens < 5:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(1000):
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert engine.stats().running == 0
+
+        # A broken weight update fails the running requests with the real error; the loop survives.
+        task = asyncio.create_task(engine.generate([3, 4, 5], long))
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.001)
+        head = engine.model.lm_head
+        good = head.weight
+        async with engine.paused():
+            head.weight = torch.nn.Parameter(torch.zeros(7, 3))
+        with pytest.raises(RuntimeError, match=r"shape|size"):
+            await task
+        async with engine.paused():
+            head.weight = good
+        res = await engine.generate([3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(res.token_ids) == 4
+
+        # stop() aborts what is running or waiting, returning the partial output.
+        base = engine.stats().generated_tokens
+        running = asyncio.create_task(engine.generate([3, 4, 5], long))
+        while engine.stats().generated_tokens < base + 3:
+            await asyncio.sleep(0.001)
+        await engine.stop()
+        partial = await running
+        assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 1500
+        assert len(partial.versions) == len(partial.logprobs) == len(partial.token_ids)
+        with pytest.raises(RuntimeError):
+            await engine.generate([3], GREEDY)
+
+    run(main())
