@@ -124,7 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:  # until `pipelinerl run` lands (issue 6)
     from pipelinerl_sdk.demo import run_demo
 
     return run_demo(steps=args.steps, workdir=args.workdir)
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="a short trainer -> server weight-update run on CPU")
-    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--steps", type=int, default=8)
     d.add_argument("--workdir", default="runs/demo")
     d.set_defaults(func=cmd_demo)
     return p

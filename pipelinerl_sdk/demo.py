@@ -50,7 +50,7 @@ async def _score(client: InferenceClient, messages: list[dict[str, str]]) -> Cha
 async def _demo(steps: int, workdir: Path) -> int:
     model = build_tiny_model(workdir / "model", preset="tiny", seed=0)
     trainer = ReferenceTrainer()
-    trainer.init(TrainerSpec(model=str(model), lr=1e-2, grad_clip=1.0))
+    trainer.init(TrainerSpec(model=str(model), lr=1e-3, grad_clip=1.0))
     conversation = [*QUESTION, {"role": "assistant", "content": ANSWER}]
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -69,14 +69,17 @@ async def _demo(steps: int, workdir: Path) -> int:
             prompt_len = len(question.prompt_token_ids or [])
             if ids[:prompt_len] != question.prompt_token_ids:
                 raise RuntimeError("chat template: the question is not a prefix of the conversation")
+            initial = await _score(client, conversation)
+            start_lp = sum(x for x in (initial.prompt_logprobs or [])[prompt_len:] if x is not None)
+            print(f"target {ANSWER!r}: server logprob before training {start_lp:.4f}")
             for version in range(1, steps + 1):
                 batch = TokenBatch(input_ids=[ids], completion_start=[prompt_len])
                 trainer.backward(batch, _nll_objective)
                 metrics = trainer.step()
                 in_flight = asyncio.create_task(
-                    client.chat({"messages": QUESTION, "max_tokens": 48, "ignore_eos": True, "temperature": 1.0})
+                    client.chat({"messages": QUESTION, "max_tokens": 1500, "ignore_eos": True, "temperature": 1.0})
                 )
-                await asyncio.sleep(0.15)
+                await asyncio.sleep(0.1)
                 async with publisher.update(version, trainer.param_specs()) as sink:
                     await asyncio.to_thread(trainer.gather_and_broadcast, sink)
                 done = publisher.last.events[server.url] if publisher.last else None
@@ -100,10 +103,12 @@ async def _demo(steps: int, workdir: Path) -> int:
                 if gap > 1e-4:
                     failures.append(f"version {version}: server and trainer disagree by {gap:.2e}")
             await publisher.close()
-    if rows[-1]["target_logprob"] <= rows[0]["target_logprob"]:
+    if rows[-1]["target_logprob"] <= start_lp:
         failures.append("the server's logprob of the target answer did not rise")
+    if any(len(r["in_flight_versions"]) != 2 for r in rows):
+        failures.append("a request in flight did not carry both the old and the new version")
     summary = (
-        f"demo: {steps} updates; target logprob {rows[0]['target_logprob']} -> {rows[-1]['target_logprob']}; "
+        f"demo: {steps} updates; target logprob {start_lp:.4f} -> {rows[-1]['target_logprob']}; "
         f"max server/trainer gap {max(r['max_server_trainer_gap'] for r in rows):.1e}; "
         f"median pause {sorted(r['pause_ms'] for r in rows)[len(rows) // 2]} ms"
     )
@@ -113,5 +118,5 @@ async def _demo(steps: int, workdir: Path) -> int:
     return 1 if failures else 0
 
 
-def run_demo(steps: int = 5, workdir: str | Path = "runs/demo") -> int:
+def run_demo(steps: int = 8, workdir: str | Path = "runs/demo") -> int:
     return asyncio.run(_demo(steps, Path(workdir)))
