@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipelinerl_sdk.contracts import ServeConfig
+from pipelinerl_sdk.contracts import ServeConfig, capabilities_to_dict
 from pipelinerl_sdk.errors import PipelineRLError
 from pipelinerl_sdk.launch import ENV_API_KEY, ENV_CONTROL_TOKEN
 from pipelinerl_sdk.plugins import load_registry
@@ -34,10 +34,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
             "name": e.name,
             "plugin": e.plugin,
             "description": e.description,
-            "capabilities": {
-                k: sorted(v) if isinstance(v, frozenset) else v
-                for k, v in ((f, getattr(e.capabilities, f)) for f in e.capabilities.__slots__)
-            },
+            "capabilities": capabilities_to_dict(e.capabilities),
         }
         for e in sorted(registry.entries.values(), key=lambda e: (e.kind, e.name))
     ]

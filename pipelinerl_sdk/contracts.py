@@ -50,6 +50,18 @@ class InferenceCapabilities:
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
 
 
+def capabilities_to_dict(caps: InferenceCapabilities | TrainerCapabilities) -> dict[str, Any]:
+    """JSON-ready form: frozensets become sorted lists."""
+    return {f: sorted(v) if isinstance(v, frozenset) else v for f, v in ((f, getattr(caps, f)) for f in caps.__slots__)}
+
+
+def inference_capabilities_from_dict(data: Mapping[str, Any]) -> InferenceCapabilities:
+    """Inverse of :func:`capabilities_to_dict`; unknown keys are ignored, missing ones default."""
+    known = set(InferenceCapabilities.__slots__)
+    kwargs: dict[str, Any] = {k: frozenset(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+    return InferenceCapabilities(**kwargs)
+
+
 @dataclass(frozen=True, slots=True)
 class TrainerCapabilities:
     #: Parameters are sharded across ranks (ZeRO-3, FSDP); False for replicated (DDP-style).

@@ -8,7 +8,9 @@ backends never imports an engine.
 There is no global plugin manager: :func:`load_registry` builds a fresh one each call.
 Environment switches: ``PIPELINERL_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (built-ins
 too, since they are entry points like any other), ``PIPELINERL_PLUGINS=a,b`` loads only the
-named entry points.
+named entry points, ``PIPELINERL_EXTRA_PLUGINS=pkg.mod,other.mod`` also loads those modules
+as plugins (for an adapter under development, or test-only backends), each guarded like an entry
+point.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ PROJECT = "pipelinerl_sdk"
 ENTRY_POINT_GROUP = "pipelinerl_sdk.backends"
 ENV_DISABLE_AUTOLOAD = "PIPELINERL_DISABLE_PLUGIN_AUTOLOAD"
 ENV_ALLOW = "PIPELINERL_PLUGINS"
+#: Comma-separated importable modules loaded as plugins without being installed (adapter
+#: development, test-only backends); loaded even when autoload is off.
+ENV_EXTRA = "PIPELINERL_EXTRA_PLUGINS"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 #: Decorate a plugin's ``register_backends`` with this.
@@ -226,6 +231,24 @@ def load_registry(
                 )
                 continue
             loaded.append((ep.name, plugin, LoadResult(ep.name, ep.value, dist, version, "loaded")))
+
+    for module_name in [m.strip() for m in os.environ.get(ENV_EXTRA, "").split(",") if m.strip()]:
+        try:
+            module = importlib.import_module(module_name)
+            _register_checked(pm, module, module_name)
+        except Exception as e:
+            registry.load_results.append(
+                LoadResult(
+                    module_name,
+                    module_name,
+                    None,
+                    None,
+                    "failed",
+                    _describe(e, f'Error importing plugin "{module_name}" (from {ENV_EXTRA})'),
+                )
+            )
+            continue
+        loaded.append((module_name, module, LoadResult(module_name, module_name, None, None, "loaded")))
 
     for name, plugin in (plugins or {}).items():
         try:

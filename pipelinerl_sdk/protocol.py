@@ -160,6 +160,8 @@ class ServerInfo(WireModel):
     group: GroupState | None
     updating: bool
     params: list[ParamSpec]
+    #: The backend's declared capabilities (``InferenceCapabilities`` fields; sets as sorted lists).
+    capabilities: dict[str, Any] = Field(default_factory=dict)
 
 
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------

@@ -32,7 +32,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig
+from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, capabilities_to_dict
 from pipelinerl_sdk.errors import GroupError, PipelineRLError, UpdateRejected
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
@@ -118,6 +118,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             group=backend.group_state(),
             updating=slot.busy is not None,
             params=backend.param_specs(),
+            capabilities=capabilities_to_dict(backend.capabilities),
         )
 
     @router.post("/init_process_group", dependencies=[control])

@@ -1,0 +1,456 @@
+"""Standard checks of the inference contract. Subclass :class:`InferenceContractTests` in a test
+module (``class TestInference(InferenceContractTests): pass``) and select the backend with
+``--backend``. Each check names what it proves in its docstring.
+
+The suite plays the trainer with a :class:`~pipelinerl_sdk.conformance.mirror.Mirror`: after
+each update it publishes, the server must compute exactly what the mirror computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from pipelinerl_sdk.conformance.mirror import Mirror, compare
+from pipelinerl_sdk.conformance.targets import ServerUnderTest
+from pipelinerl_sdk.errors import FanOutError
+from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec, ServerInfo
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+
+T = TypeVar("T")
+PROMPT = [{"role": "user", "content": "What is 12+7? Answer with digits."}]
+
+
+def arun(fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await fn()
+
+    return asyncio.run(main())
+
+
+async def greedy(client: InferenceClient, *, prompt_logprobs: bool, max_tokens: int = 12) -> ChatCompletionResponse:
+    body: dict[str, Any] = {
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    if prompt_logprobs:
+        body["prompt_logprobs"] = True
+    return await client.chat(body)
+
+
+def check_against_mirror(resp: ChatCompletionResponse, mirror: Mirror, *, prompt: bool) -> None:
+    """The server's logprobs of its own tokens equal the mirror's (tolerance by dtype)."""
+    choice = resp.choices[0]
+    assert resp.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
+    assert choice.token_ids is not None, "return_token_ids: choices[].token_ids missing"
+    assert choice.logprobs is not None, "logprobs requested but missing"
+    seq = resp.prompt_token_ids + choice.token_ids
+    ref = mirror.logprobs(seq)
+    n_prompt = len(resp.prompt_token_ids)
+    ok, msg = compare([t.logprob for t in choice.logprobs.content], ref[n_prompt - 1 :], mirror.dtype)
+    assert ok, f"completion logprobs differ from the weights the server should hold: {msg}"
+    if prompt:
+        assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
+        assert resp.prompt_logprobs[0] is None
+        ok, msg = compare([x for x in resp.prompt_logprobs[1:] if x is not None], ref[: n_prompt - 1], mirror.dtype)
+        assert ok, f"prompt logprobs differ from the weights the server should hold: {msg}"
+
+
+async def connect(sut: ServerUnderTest, client: InferenceClient, **kwargs: Any) -> WeightPublisher:
+    publisher = WeightPublisher([client], bucket_bytes=kwargs.pop("bucket_bytes", 64 << 10), **kwargs)
+    await publisher.connect()
+    return publisher
+
+
+def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any]:
+    """A valid ``/request_weight_update`` body for ``info``'s params, with ``changes`` applied
+    (the digest follows the changed params when they still parse)."""
+    body: dict[str, Any] = {
+        "version": version,
+        "params": [p.model_dump(mode="json") for p in info.params],
+        "bucket_bytes": 64 << 10,
+    }
+    body.update(changes)
+    if "plan_digest" not in body:
+        try:
+            specs = [ParamSpec.model_validate(p) for p in body["params"]]
+            body["plan_digest"] = BucketPlan.build(specs, body["bucket_bytes"]).digest()
+        except Exception:
+            body["plan_digest"] = "0" * 64
+    return body
+
+
+def _bad_update_cases(info: ServerInfo) -> dict[str, tuple[dict[str, Any] | str, int]]:
+    v = info.version
+    params = [p.model_dump(mode="json") for p in info.params]
+    first = params[0]
+    return {
+        "unknown-name": (
+            update_body(info, v + 1, params=[dict(first, name="model.no_such_layer.weight"), *params[1:]]),
+            422,
+        ),
+        "unknown-extra-name": (update_body(info, v + 1, params=[*params, dict(first, name="extra.weight")]), 422),
+        "wrong-shape": (
+            update_body(
+                info, v + 1, params=[dict(first, shape=[first["shape"][0] + 1, *first["shape"][1:]]), *params[1:]]
+            ),
+            422,
+        ),
+        "wrong-dtype": (
+            update_body(
+                info,
+                v + 1,
+                params=[dict(first, dtype="float16" if first["dtype"] != "float16" else "float32"), *params[1:]],
+            ),
+            422,
+        ),
+        "missing-param": (update_body(info, v + 1, params=params[1:]), 422),
+        "same-version": (update_body(info, v), 409),
+        "older-version": (update_body(info, v - 1) if v > 0 else update_body(info, v), 409),
+        "bad-digest": (update_body(info, v + 1, plan_digest="f" * 64), 400),
+        "unknown-field": (update_body(info, v + 1, surprise=True), 422),
+        "malformed-json": ("{not json", 422),
+    }
+
+
+class InferenceContractTests:
+    """The inference contract, checked on ``server_under_test`` (one server per module)."""
+
+    # --- schemas and basics ---------------------------------------------------------------------
+
+    def test_health_info_and_models(self, server_under_test: ServerUnderTest) -> None:
+        """``/health`` answers; ``/info`` validates against the schema, lists params under HF
+        names that the HF model has, with >= 1 receiving worker."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                health = await client.health()
+                assert health["status"] == "ok"
+                info = await client.info()
+                assert info.receiving_workers >= 1 and info.params
+                assert info.default_mode in info.receive_modes
+                Mirror(server_under_test.model_dir, server_under_test.dtype).check_specs(info.params)
+                async with httpx.AsyncClient(base_url=server_under_test.url, timeout=30) as http:
+                    models = (await http.get("/v1/models")).json()
+                    assert models["data"][0]["id"] == info.model
+
+        arun(body)
+
+    def test_chat_schema_and_extensions(self, server_under_test: ServerUnderTest) -> None:
+        """OpenAI chat response; with ``return_token_ids`` and ``logprobs`` every choice carries
+        token ids, one logprob per token and one weight version per token; ``n`` choices."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                resp = await client.chat(
+                    {"messages": PROMPT, "max_tokens": 8, "n": 3, "logprobs": True, "return_token_ids": True, "seed": 1}
+                )
+                assert resp.object == "chat.completion" and len(resp.choices) == 3
+                assert [c.index for c in resp.choices] == [0, 1, 2]
+                for c in resp.choices:
+                    assert c.token_ids is not None and 1 <= len(c.token_ids) <= 8
+                    assert c.logprobs is not None and len(c.logprobs.content) == len(c.token_ids)
+                    assert len(c.weight_versions) == len(c.token_ids)
+                    assert all(lp.logprob <= 0 for lp in c.logprobs.content)
+                assert resp.usage.completion_tokens == sum(len(c.token_ids or []) for c in resp.choices)
+                assert resp.prompt_token_ids and resp.usage.prompt_tokens == len(resp.prompt_token_ids)
+
+        arun(body)
+
+    def test_logprobs_match_the_served_weights(self, server_under_test: ServerUnderTest) -> None:
+        """Before any update, the server's logprobs equal a plain transformers forward of the
+        model it was started with (tolerance by dtype)."""
+        mirror = Mirror(server_under_test.model_dir, server_under_test.dtype)
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                if (await client.info()).version != 0:
+                    pytest.skip("the server was already updated (run this check on a fresh server)")
+                resp = await greedy(client, prompt_logprobs=server_under_test.capabilities.prompt_logprobs)
+                check_against_mirror(resp, mirror, prompt=server_under_test.capabilities.prompt_logprobs)
+
+        arun(body)
+
+    def test_malformed_chat_bodies_are_422(self, server_under_test: ServerUnderTest) -> None:
+        """Bad chat requests get 4xx with a message naming the problem, and the server keeps serving."""
+
+        async def body() -> None:
+            async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
+                bad: dict[str, Any]
+                for bad in (
+                    {},
+                    {"messages": []},
+                    {"messages": PROMPT, "max_tokens": 0},
+                    {"messages": PROMPT, "bogus": 1},
+                ):
+                    r = await http.post("/v1/chat/completions", json=bad)
+                    assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
+                    assert r.json()["error"]["message"]
+                r = await http.post(
+                    "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+                )
+                assert 400 <= r.status_code < 500
+                r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
+                assert r.status_code == 200
+
+        arun(body)
+
+    def test_control_routes_need_the_control_token(self, server_under_test: ServerUnderTest) -> None:
+        """Control routes: 401 without a bearer token, 403 with a wrong one; nothing happens."""
+
+        async def body() -> None:
+            async with httpx.AsyncClient(base_url=server_under_test.url, timeout=30) as http:
+                for path in ("/init_process_group", "/request_weight_update"):
+                    assert (await http.post(path, json={})).status_code == 401, path
+                    r = await http.post(path, json={}, headers={"Authorization": "Bearer wrong-token"})
+                    assert r.status_code == 403, path
+
+        arun(body)
+
+    # --- weight updates -------------------------------------------------------------------------
+
+    def test_join_process_group(self, server_under_test: ServerUnderTest) -> None:
+        """``/init_process_group`` answers once joined; ``/info`` then shows the group."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                assert info.group is not None and not info.group.broken
+                assert info.group.world_size == 1 + info.receiving_workers
+                assert sorted(info.group.ranks) == list(range(1, 1 + info.receiving_workers))
+                await publisher.close()
+
+        arun(body)
+
+    @pytest.mark.parametrize("mode", ["staged", "direct"])
+    def test_update_serves_exactly_the_new_weights(
+        self,
+        server_under_test: ServerUnderTest,
+        mirror: Mirror,
+        mode: str,
+        record_property: Callable[[str, object], None],
+    ) -> None:
+        """After an update, the server computes what the new weights dictate (tolerance by
+        dtype), every new token carries the new version, and the pause is reported."""
+        if mode not in server_under_test.capabilities.receive_modes:
+            pytest.skip(f"{server_under_test.id} does not declare receive_mode:{mode}")
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client, mode=mode)
+                info = await client.info()
+                before = await greedy(client, prompt_logprobs=False)
+                mirror.perturb(seed=info.version + 1)
+                await mirror.publish(publisher, info.version + 1, info.params)
+                assert publisher.last is not None
+                done = next(iter(publisher.last.events.values()))
+                assert done.version == info.version + 1 and done.mode == mode
+                assert 0 <= done.timings["pause_s"] <= done.timings["total_s"]
+                record_property("pause_s", done.timings["pause_s"])
+                record_property("update_wall_s", publisher.last.wall_s)
+                assert (await client.info()).version == info.version + 1
+                caps = server_under_test.capabilities
+                after = await greedy(client, prompt_logprobs=caps.prompt_logprobs)
+                assert set(after.choices[0].weight_versions) == {info.version + 1}
+                check_against_mirror(after, mirror, prompt=caps.prompt_logprobs)
+                assert before.choices[0].logprobs is not None and after.choices[0].logprobs is not None
+                await publisher.close()
+
+        arun(body)
+
+    def test_versions_increase_and_tag_every_token(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """Three updates in a row: ``/info`` and every completion token follow the version."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                seen = []
+                for _ in range(3):
+                    info = await client.info()
+                    mirror.perturb(seed=info.version + 1)
+                    await mirror.publish(publisher, info.version + 1, info.params)
+                    resp = await client.chat({"messages": PROMPT, "max_tokens": 6, "n": 2, "seed": 0})
+                    for c in resp.choices:
+                        assert set(c.weight_versions) == {info.version + 1}, c.weight_versions
+                    seen.append((await client.info()).version)
+                assert seen == sorted(seen) and len(set(seen)) == 3
+                await publisher.close()
+
+        arun(body)
+
+    @pytest.mark.requires("in_flight_updates")
+    def test_requests_in_flight_survive_updates(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """Requests running across two updates all complete (none dropped, aborted or
+        duplicated); each token's version is non-decreasing and they span old and new."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                start = (await client.info()).version
+                n, budget = 6, 600
+                running = [
+                    asyncio.create_task(
+                        client.chat({"messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "seed": i})
+                    )
+                    for i in range(n)
+                ]
+                await asyncio.sleep(0.3)
+                assert not any(r.done() for r in running), "requests finished before the first update"
+                for k in (1, 2):
+                    info = await client.info()
+                    mirror.perturb(seed=info.version + 1)
+                    await mirror.publish(publisher, info.version + 1, info.params)
+                    # chat issued while updates go on is served too
+                    short = await client.chat({"messages": PROMPT, "max_tokens": 2})
+                    assert set(short.choices[0].weight_versions) == {start + k}
+                results = await asyncio.gather(*running)
+                assert len({r.id for r in results}) == n, "duplicated responses"
+                spans = set()
+                for r in results:
+                    c = r.choices[0]
+                    assert c.finish_reason == "length" and len(c.weight_versions) == budget, (
+                        f"request cut short: {c.finish_reason}, {len(c.weight_versions)} tokens"
+                    )
+                    assert c.weight_versions == sorted(c.weight_versions), "a token went back to older weights"
+                    assert c.weight_versions[0] == start
+                    spans.add(c.weight_versions[-1])
+                assert spans - {start}, "no request saw the new weights while in flight"
+                await publisher.close()
+
+        arun(body)
+
+    def test_bad_updates_are_refused_before_any_receive(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        """Unknown or missing names, wrong shapes or dtypes, stale versions, bad digests, unknown
+        fields and malformed JSON: 4xx with a message, nothing received, group healthy, same
+        version, same outputs."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                before = await greedy(client, prompt_logprobs=False)
+                headers = {"Authorization": f"Bearer {server_under_test.control_token}"}
+                failures = []
+                async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
+                    for kind, (case, status) in _bad_update_cases(info).items():
+                        if isinstance(case, str):
+                            r = await http.post(
+                                "/request_weight_update",
+                                content=case,
+                                headers={**headers, "content-type": "application/json"},
+                            )
+                        else:
+                            r = await http.post("/request_weight_update", json=case, headers=headers)
+                        if r.status_code != status or not r.json().get("error", {}).get("message"):
+                            failures.append(f"{kind}: got {r.status_code} {r.text[:200]}, expected {status}")
+                assert not failures, "; ".join(failures)
+                after_info = await client.info()
+                assert after_info.version == info.version and not after_info.updating
+                assert after_info.group is not None and not after_info.group.broken
+                after = await greedy(client, prompt_logprobs=False)
+                assert after.choices[0].token_ids == before.choices[0].token_ids
+                check_against_mirror(after, mirror, prompt=False)
+                await publisher.close()
+
+        arun(body)
+
+    def test_concurrent_updates_are_refused_not_interleaved(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        """While one update is receiving, a second request gets 409; the first completes."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                headers = {"Authorization": f"Bearer {server_under_test.control_token}"}
+                mirror.perturb(seed=info.version + 1)
+                async with (
+                    httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http,
+                    publisher.update(info.version + 1, info.params) as sink,
+                ):
+                    r = await http.post(
+                        "/request_weight_update", json=update_body(info, info.version + 2), headers=headers
+                    )
+                    assert r.status_code == 409, r.text
+                    await asyncio.to_thread(mirror.send_all, sink, info.params)
+                assert (await client.info()).version == info.version + 1
+                check_against_mirror(await greedy(client, prompt_logprobs=False), mirror, prompt=False)
+                await publisher.close()
+
+        arun(body)
+
+    def test_interrupted_broadcast_keeps_old_weights_serving(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        """A trainer killed half-way through a broadcast: within the group timeout the server is
+        unpaused, serves the old version with the old weights exactly, reports its group broken,
+        and accepts a new group and update afterwards."""
+        timeout_s = 6.0
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                info = await client.info()
+                env = {**os.environ, "PIPELINERL_CONTROL_TOKEN": server_under_test.control_token}
+                cmd = [
+                    sys.executable, "-m", "pipelinerl_sdk.conformance._killed_sender", server_under_test.url,
+                    str(server_under_test.model_dir), server_under_test.dtype, str(info.version + 1), str(timeout_s),
+                ]  # fmt: skip
+                proc = await asyncio.to_thread(
+                    subprocess.run, cmd, env=env, capture_output=True, text=True, timeout=300
+                )
+                assert proc.returncode == -signal.SIGKILL and "killing" in proc.stdout, proc.stderr[-2000:]
+                deadline = time.monotonic() + timeout_s * 4 + 10
+                while (await client.info()).updating and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                after = await client.info()
+                assert not after.updating, "the server is still stuck in the interrupted update"
+                assert after.version == info.version
+                assert after.group is not None and after.group.broken, "a failed broadcast must mark the group broken"
+                resp = await asyncio.wait_for(greedy(client, prompt_logprobs=False), 60)
+                assert set(resp.choices[0].weight_versions) == {info.version}
+                check_against_mirror(resp, mirror, prompt=False)
+                # recovery: a new group, a real update
+                publisher = await connect(server_under_test, client)
+                mirror.perturb(seed=info.version + 1)
+                await mirror.publish(publisher, info.version + 1, info.params)
+                check_against_mirror(await greedy(client, prompt_logprobs=False), mirror, prompt=False)
+                await publisher.close()
+
+        arun(body)
+
+    def test_refused_update_raises_naming_the_server(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """The trainer's side: a refused update (a stale version) raises FanOutError naming the
+        server and its status at once; the server stays healthy and unchanged."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                t0 = time.monotonic()
+                with pytest.raises(FanOutError) as err:
+                    await mirror.publish(publisher, info.version, info.params)  # stale: refused
+                assert time.monotonic() - t0 < 30
+                assert err.value.errors[0].status == 409 and err.value.errors[0].url == server_under_test.url
+                after = await client.info()
+                assert after.version == info.version and after.group is not None and not after.group.broken
+                await publisher.close()
+
+        arun(body)

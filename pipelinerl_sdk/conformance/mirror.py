@@ -1,0 +1,118 @@
+"""The suite's own copy of the served model: it plays the trainer.
+
+The mirror holds, at every moment, exactly the weights the server under test must be serving
+(rounded to the server's dtype). It perturbs them deterministically, publishes them through the
+real weight-sync protocol, and computes with plain transformers the logprobs the server must
+return for any token sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.tensors import TORCH_DTYPES
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """Server vs reference logprobs: both bounds must hold."""
+
+    max_abs: float
+    mean_abs: float
+
+
+#: By the server's dtype. float32 engines agree to ~1e-6 on CPU; bf16 greedy paths split at
+#: near-ties, so only the mean is tight there.
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(1e-4, 1e-5),
+    "bfloat16": Tolerance(0.5, 0.05),
+    "float16": Tolerance(0.1, 0.01),
+}
+
+
+def compare(server: Sequence[float], reference: torch.Tensor, dtype: str) -> tuple[bool, str]:
+    """(within tolerance, a message with the figures)."""
+    got = torch.tensor(list(server), dtype=torch.float64)
+    want = reference.detach().to(torch.float64)
+    if got.shape != want.shape:
+        return False, f"{got.numel()} logprobs, expected {want.numel()}"
+    if got.numel() == 0:
+        return True, "no tokens"
+    diff = (got - want).abs()
+    tol = TOLERANCES[dtype]
+    ok = float(diff.max()) <= tol.max_abs and float(diff.mean()) <= tol.mean_abs
+    return (
+        ok,
+        f"max |diff| {float(diff.max()):.3g} (<= {tol.max_abs}), mean {float(diff.mean()):.3g} (<= {tol.mean_abs})",
+    )
+
+
+class Mirror:
+    """Owns a float32 transformers model whose weights track the server's."""
+
+    def __init__(self, model_dir: Path, server_dtype: str) -> None:
+        self.dtype = server_dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()  # type: ignore[no-untyped-call]
+        self._round()
+
+    def _round(self) -> None:
+        """Keep exactly what a server of ``dtype`` holds."""
+        wire = TORCH_DTYPES[self.dtype]
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(p.to(wire).to(torch.float32))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.named_parameters()}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(state[k])
+
+    def perturb(self, seed: int, scale: float = 0.05) -> None:
+        """Add noise of ``scale`` times each tensor's std (deterministic in ``seed``)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                std = float(p.std()) if p.numel() > 1 else 1.0
+                p.add_(torch.randn(p.shape, generator=g) * (scale * (std or 1.0)))
+        self._round()
+
+    def check_specs(self, specs: Sequence[ParamSpec]) -> None:
+        """The server's expected params must be this model's, under HF names."""
+        local = dict(self.model.named_parameters())
+        for s in specs:
+            if s.name not in local:
+                raise AssertionError(f"server expects param {s.name!r}, which the HF model does not have")
+            if tuple(local[s.name].shape) != s.shape:
+                raise AssertionError(f"{s.name}: server shape {s.shape} != HF shape {tuple(local[s.name].shape)}")
+
+    def send_all(self, sink: object, specs: Sequence[ParamSpec], *, stop_after: int | None = None) -> None:
+        """Hand every param to ``sink`` in the server's order and dtype (``stop_after``: only the
+        first n, to simulate a sender that dies)."""
+        local = dict(self.model.named_parameters())
+        for i, s in enumerate(specs):
+            if stop_after is not None and i >= stop_after:
+                return
+            sink.send(s.name, local[s.name].detach().to(TORCH_DTYPES[s.dtype]))  # type: ignore[attr-defined]
+
+    async def publish(self, publisher: WeightPublisher, version: int, specs: Sequence[ParamSpec]) -> None:
+        async with publisher.update(version, specs) as sink:
+            await asyncio.to_thread(self.send_all, sink, specs)
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """``log p(tok_t | tok_<t)`` for t >= 1."""
+        ids = torch.tensor([list(token_ids)])
+        logits = self.model(input_ids=ids, use_cache=False).logits.float()
+        return torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
