@@ -121,6 +121,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipelinerl_sdk.pipeline.config import PipelineConfig
+    from pipelinerl_sdk.pipeline.run import run_pipeline
+
+    summary = run_pipeline(PipelineConfig.load(args.config, args.set))
+    print(summary.line())
+    return 0 if summary.reached_target or summary.steps else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:  # until `pipelinerl run` lands (issue 6)
     from pipelinerl_sdk.demo import run_demo
 
@@ -163,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--bucket-mb", type=int, default=64)
     k.add_argument("--json", action="store_true", help="one JSON object on one line")
     k.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("run", help="a PipelineRL run (pipeline or conventional mode)")
+    r.add_argument("config", nargs="?", default=None, help="TOML/JSON config (default: built-in defaults)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    r.set_defaults(func=cmd_run)
 
     d = sub.add_parser("demo", help="a short trainer -> server weight-update run on CPU")
     d.add_argument("--steps", type=int, default=8)
