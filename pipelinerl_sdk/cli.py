@@ -115,6 +115,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             bucket_mb=args.bucket_mb,
         )
+    elif args.what == "pipeline":
+        from pipelinerl_sdk.bench.pipeline import run_pipeline_bench
+
+        result = run_pipeline_bench(args.config, args.set, args.out_dir)
     else:
         raise SystemExit(f"unknown benchmark {args.what!r}")
     print(json.dumps(result, indent=None if args.json else 2))
@@ -163,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tiny_model)
 
     k = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
-    k.add_argument("what", choices=["weight-update"])
+    k.add_argument("what", choices=["weight-update", "pipeline"])
     k.add_argument("--backend", default="reference")
     k.add_argument("--model", default=None, help="model dir (default: a freshly built 'bench' preset)")
     k.add_argument("--seconds", type=float, default=8.0, help="length of each throughput window")
@@ -171,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--concurrency", type=int, default=16)
     k.add_argument("--bucket-mb", type=int, default=64)
     k.add_argument("--json", action="store_true", help="one JSON object on one line")
+    k.add_argument("--config", default=None, help="pipeline: the run config (TOML/JSON)")
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="pipeline: config overrides")
+    k.add_argument("--out-dir", default="runs/bench-pipeline", help="pipeline: where both runs write")
     k.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("run", help="a PipelineRL run (pipeline or conventional mode)")

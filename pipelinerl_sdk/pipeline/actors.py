@@ -3,9 +3,10 @@ the task's reward, with everything the trainer needs (token ids, behaviour logpr
 version of every token) kept from the server's answer.
 
 Lag control: the i-th group (in start order) may start only once the published weight version is
-at least ``i // groups_per_step - max_lag``. The trainer consumes ``groups_per_step`` groups per
-step, so a group is trained at step ~``i // groups_per_step`` with weights at most ``max_lag``
-versions newer than the ones that generated it: actors hold back rather than produce older data.
+at least ``i // groups_per_step - max_lag``. The trainer trains groups in start order, step k on
+exactly the groups ``k*groups_per_step .. (k+1)*groups_per_step - 1``, so every group is trained
+with weights at most ``max_lag`` versions newer than any that generated it: actors hold back
+rather than produce older data.
 With ``max_lag = 0`` this *is* conventional RL: a batch is generated with fixed weights, then
 nothing is generated until the trainer has published the next version.
 """

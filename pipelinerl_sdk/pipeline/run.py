@@ -147,8 +147,15 @@ class Run:
         time_to_target: float | None = None
         rewards: list[float] = []
         try:
+            pending: dict[int, Group] = {}
             for step in range(cfg.max_steps):
-                groups = [await _get(queue, workers) for _ in range(cfg.groups_per_step)]
+                # Groups are trained in start order (a reorder buffer): step k takes exactly the
+                # groups admitted for it, so the admission rule bounds every group's lag.
+                wanted = range(step * cfg.groups_per_step, (step + 1) * cfg.groups_per_step)
+                while any(i not in pending for i in wanted):
+                    g = await _get(queue, workers)
+                    pending[g.index] = g
+                groups = [pending.pop(i) for i in wanted]
                 t_batch = time.monotonic()
                 lags = [step - g.min_version for g in groups]
                 batch = build_batch(groups)
