@@ -1,7 +1,7 @@
 """The reference trainer: plain torch, replicated weights (DDP semantics), AdamW.
 
 One rank or several: with ``torch.distributed`` initialised (gloo, by ``torchrun`` or
-:func:`pipelinerl_sdk.reference.launch.spawn`), ``step`` sums the gradients of all ranks in one
+:func:`pipelinerl_sdk.trainer_group.run_ranks`), ``step`` sums the gradients of all ranks in one
 flat all-reduce, so the update equals the gradient of the objective summed over every rank's
 micro-batches (the :class:`~pipelinerl_sdk.contracts.Objective` contract). Every rank holds the
 full model, so ``gather_and_broadcast`` needs no gather: rank 0 hands each parameter to the sink.

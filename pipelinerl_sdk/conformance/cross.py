@@ -1,0 +1,173 @@
+"""The central check of the design: a real trainer step, published through the weight-sync
+protocol, makes the inference server compute exactly what the trainer computes.
+
+Subclass :class:`CrossCheckTests` in a test module of its own (``class TestCross(CrossCheckTests):
+pass``) and select one trainer and one inference backend with ``--backend`` (a name registered as
+both selects both; ``--backend reference --backend http://HOST:PORT`` pairs the reference trainer
+with a running server). The update changes the served weights, so this module must not share a
+server with :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests` (its ``mirror``
+would no longer know the served weights); the server fixture is per module, so a module of its
+own is enough.
+
+The trainer runs at world size 1, in this process, in float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from pipelinerl_sdk.conformance.inference import arun, greedy
+from pipelinerl_sdk.conformance.mirror import compare
+from pipelinerl_sdk.conformance.targets import ServerUnderTest, TrainerTarget
+from pipelinerl_sdk.conformance.trainer import CompletionNLL, open_trainer
+from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec, WeightSink
+from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.tensors import TORCH_DTYPES
+
+#: The step of the cross check: large enough that the logprobs move far beyond the tolerance of
+#: any server dtype (so a server that ignored the update fails), no clipping. On the tiny model it
+#: moves the logprobs of the server's greedy sequence by 4.5 max / 0.73 mean (bfloat16 tolerance:
+#: 0.5 / 0.05).
+CROSS_LR = 1e-4
+
+
+class CastingSink:
+    """Hands every tensor on to ``inner`` in the dtype the server expects for it (``specs``: the
+    wire specs, by name). A float32 trainer updating a bfloat16 server sends bfloat16 tensors;
+    the cast is the only thing between trainer and server, and it is what the server would do
+    itself on load (round to nearest)."""
+
+    def __init__(self, inner: WeightSink, specs: Sequence[ParamSpec]) -> None:
+        self.inner = inner
+        self.dtypes = {s.name: TORCH_DTYPES[s.dtype] for s in specs}
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        want = self.dtypes.get(name)
+        if want is None:
+            raise AssertionError(f"the trainer sent {name!r}, which is not in param_specs()")
+        self.inner.send(name, tensor if tensor.dtype == want else tensor.to(want))
+
+
+def wire_specs(
+    trainer_specs: Sequence[ParamSpec], server_params: Sequence[ParamSpec], server_dtype: str
+) -> list[ParamSpec]:
+    """The specs of an update from this trainer to this server, in the trainer's order: names and
+    shapes must agree exactly; a dtype may differ only when the server serves another dtype than
+    the trainer trains in, and then every such param must be in the server's dtype."""
+    server = {p.name: p for p in server_params}
+    names = [s.name for s in trainer_specs]
+    only_trainer, only_server = sorted(set(names) - set(server)), sorted(set(server) - set(names))
+    assert not only_trainer and not only_server, (
+        f"trainer param_specs() and server /info params differ: only the trainer has {only_trainer[:5]}, "
+        f"only the server {only_server[:5]}"
+    )
+    out = []
+    for s in trainer_specs:
+        theirs = server[s.name]
+        assert theirs.shape == s.shape, f"{s.name}: trainer shape {s.shape}, server expects {theirs.shape}"
+        if theirs.dtype != s.dtype:
+            assert theirs.dtype == server_dtype, (
+                f"{s.name}: trainer dtype {s.dtype}, server expects {theirs.dtype} (it serves {server_dtype})"
+            )
+        out.append(ParamSpec(name=s.name, dtype=theirs.dtype, shape=s.shape))
+    return out
+
+
+def _sequence(resp: ChatCompletionResponse) -> tuple[list[int], int]:
+    choice = resp.choices[0]
+    assert resp.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
+    assert choice.token_ids, "return_token_ids: choices[].token_ids missing or empty"
+    return list(resp.prompt_token_ids) + list(choice.token_ids), len(resp.prompt_token_ids)
+
+
+class CrossCheckTests:
+    """Trainer and inference server together: ``trainer_target`` (world size 1, in-process, float32)
+    and ``server_under_test``."""
+
+    @pytest.fixture(autouse=True)
+    def _trainer_selected(self, trainer_target: TrainerTarget | None) -> None:
+        if trainer_target is None:
+            pytest.skip("no trainer backend selected: pass --backend NAME of a registered trainer backend")
+        if "float32" not in trainer_target.capabilities.dtypes:
+            pytest.skip(f"{trainer_target.id} does not declare dtype:float32")
+
+    def test_server_expects_the_trainers_params(
+        self, trainer_target: TrainerTarget, server_under_test: ServerUnderTest
+    ) -> None:
+        """The params the server expects in an update (``/info``) are exactly the trainer's
+        ``param_specs()``: the same HF names and shapes; dtypes equal, unless the server serves
+        another dtype than float32, and then each differing param is in the server's dtype (the
+        update casts, see :class:`CastingSink`)."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                info = await client.info()
+            with open_trainer(trainer_target, TrainerSpec(model=str(server_under_test.model_dir))) as trainer:
+                specs = trainer.param_specs()
+            wire = wire_specs(specs, info.params, server_under_test.dtype)
+            if server_under_test.dtype == "float32":
+                assert wire == specs, "a float32 server expects other dtypes than the float32 trainer has"
+
+        arun(body)
+
+    def test_trained_weights_reach_the_server(
+        self, trainer_target: TrainerTarget, server_under_test: ServerUnderTest
+    ) -> None:
+        """The trainer takes a real step (AdamW, lr :data:`CROSS_LR`, on the server's own greedy completion),
+        publishes it with :class:`~pipelinerl_sdk.weights.publisher.WeightPublisher` and
+        ``trainer.gather_and_broadcast`` (cast to the server's dtype if it differs); then the
+        server's greedy completion carries the new version on every token, and its completion
+        logprobs (and prompt logprobs, if it declares ``prompt_logprobs``) equal the trainer's
+        ``forward`` on the same tokens within the tolerance of the server's dtype
+        (:func:`~pipelinerl_sdk.conformance.mirror.compare`). The step is first shown to move the
+        trainer's logprobs beyond that tolerance, so a server that kept its old weights fails."""
+        caps = server_under_test.capabilities
+        dtype = server_under_test.dtype
+        spec = TrainerSpec(model=str(server_under_test.model_dir), dtype="float32", lr=CROSS_LR, grad_clip=None)
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                with open_trainer(trainer_target, spec) as trainer:
+                    info = await client.info()
+                    wire = wire_specs(trainer.param_specs(), info.params, dtype)
+                    seq0, n0 = _sequence(await greedy(client, prompt_logprobs=False))
+                    batch0 = TokenBatch(input_ids=[seq0], completion_start=[n0])
+                    before = trainer.forward(batch0)[0]
+                    trainer.backward(batch0, CompletionNLL(1))
+                    trainer.step()
+                    moved, msg = compare(trainer.forward(batch0)[0].tolist(), before, dtype)
+                    assert not moved, f"the step left the logprobs within the {dtype} tolerance ({msg}): vacuous"
+
+                    version = info.version + 1
+                    publisher = WeightPublisher([client], bucket_bytes=64 << 10)
+                    await publisher.connect()
+                    try:
+                        async with publisher.update(version, wire) as sink:
+                            await asyncio.to_thread(trainer.gather_and_broadcast, CastingSink(sink, wire))
+                    finally:
+                        await publisher.close()
+                    assert (await client.info()).version == version
+
+                    resp = await greedy(client, prompt_logprobs=caps.prompt_logprobs)
+                    choice = resp.choices[0]
+                    assert set(choice.weight_versions) == {version}, choice.weight_versions
+                    seq, n_prompt = _sequence(resp)
+                    want = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[n_prompt]))[0]
+            assert choice.logprobs is not None, "logprobs requested but missing"
+            ok, msg = compare([t.logprob for t in choice.logprobs.content], want[n_prompt - 1 :], dtype)
+            assert ok, f"completion logprobs: server and trainer disagree after the update: {msg}"
+            if caps.prompt_logprobs:
+                assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
+                got = [x for x in resp.prompt_logprobs[1:] if x is not None]
+                ok, msg = compare(got, want[: n_prompt - 1], dtype)
+                assert ok, f"prompt logprobs: server and trainer disagree after the update: {msg}"
+
+        arun(body)
+
+
+__all__ = ["CROSS_LR", "CastingSink", "CrossCheckTests", "wire_specs"]

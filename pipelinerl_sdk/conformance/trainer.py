@@ -1,0 +1,547 @@
+"""Standard checks of the trainer contract. Subclass :class:`TrainerContractTests` in a test
+module (``class TestTrainer(TrainerContractTests): pass``) and select the backend with
+``--backend NAME`` (a registered trainer backend). Each check names what it proves in its
+docstring.
+
+The suite plays the reference: the checkpoint on disk (read with ``safetensors``), a plain
+``transformers`` model (one unpadded forward per sequence) and a plain ``torch.optim.AdamW``.
+Every check runs in float32, where a correct backend agrees with the reference to rounding.
+
+Hyper-parameters of the step checks (:data:`STEP_HPARAMS`) are chosen so that a comparison at
+1e-6 is well-conditioned. Adam's first update of a param is ``lr * g / (|g| + eps)``, whose
+sensitivity to rounding noise in ``g`` is ``lr / eps`` near ``g = 0``. Some gradients are zero
+in exact arithmetic and pure rounding noise in practice (the k-projection bias: softmax ignores a
+shift of all logits of a row; lm_head rows of tokens with ~0 probability). With ``eps=1e-8`` and
+``lr=1e-3`` two correct implementations differ there by ~1e-4 (measured: 8.8e-5 on the tiny
+model); with ``eps=1e-3, lr=1e-4`` by < 1e-7, while a step still moves params by ~2e-4, so
+1e-6 separates a correct step from a wrong one by two orders of magnitude either side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipelinerl_sdk.conformance.targets import TrainerTarget
+from pipelinerl_sdk.contracts import StepMetrics, TokenBatch, TrainerBackend, TrainerSpec
+from pipelinerl_sdk.trainer_group import RankContext, run_ranks
+from pipelinerl_sdk.weights.tensors import as_bytes, dtype_name
+
+#: Forward logprobs vs a plain transformers forward (float32).
+FORWARD_ATOL = 1e-5
+#: Params after a step vs the reference step (float32).
+PARAM_ATOL = 1e-6
+#: Reported grad norm vs the reference's total grad norm (relative).
+GRAD_NORM_RTOL = 1e-5
+#: Hyper-parameters of the step checks: betas off the defaults (a backend that drops them fails
+#: at the second step), weight decay on (a backend that drops it or couples it fails), no clipping.
+STEP_HPARAMS: Mapping[str, Any] = {
+    "lr": 1e-4,
+    "betas": (0.8, 0.95),
+    "eps": 1e-3,
+    "weight_decay": 0.1,
+    "grad_clip": None,
+}
+#: Sequence lengths and completion starts of the two fixed batches (different lengths on purpose:
+#: padding must not leak into any logprob or gradient; start 1 makes a whole sequence completion).
+BATCH_SHAPES: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((9, 4), (14, 6), (6, 2), (11, 5)),
+    ((12, 3), (7, 1), (10, 6), (5, 4)),
+)
+
+
+# --- the pieces a check is built from (public: adapters' own tests may reuse them) ---------------
+
+
+class CollectingSink:
+    """A :class:`~pipelinerl_sdk.contracts.WeightSink` that keeps a CPU copy of every tensor it is
+    handed, in order. A name sent twice is an AssertionError (the contract: one call per param)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.tensors:
+            raise AssertionError(f"gather_and_broadcast sent {name!r} twice")
+        self.names.append(name)
+        self.tensors[name] = tensor.detach().to("cpu", copy=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionNLL:
+    """The fixed objective of the step checks: minus the summed completion logprobs, divided by
+    ``n_sequences`` (the *global* sequence count, so that summing it over micro-batches and ranks,
+    as the Objective contract says trainers do, gives the mean over the whole batch)."""
+
+    n_sequences: int
+
+    def __call__(self, logprobs: Sequence[torch.Tensor], batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        total = torch.zeros((), dtype=torch.float32)
+        tokens = 0
+        for lp, start in zip(logprobs, batch.completion_start, strict=True):
+            total = total + lp[start - 1 :].float().sum()
+            tokens += lp.numel() - (start - 1)
+        return -total / self.n_sequences, {"completion_tokens": float(tokens)}
+
+
+def fixed_batch(model_dir: Path, index: int) -> TokenBatch:
+    """Batch ``index`` of :data:`BATCH_SHAPES`: seeded random token ids that avoid the first ids
+    (special tokens of most tokenizers)."""
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+    g = torch.Generator().manual_seed(1000 + index)
+    shapes = BATCH_SHAPES[index]
+    ids = [torch.randint(min(3, vocab - 1), vocab, (n,), generator=g).tolist() for n, _ in shapes]
+    return TokenBatch(input_ids=ids, completion_start=[s for _, s in shapes])
+
+
+def take(batch: TokenBatch, indices: Sequence[int]) -> TokenBatch:
+    """The sub-batch of the given sequences (per-sequence fields follow)."""
+
+    def pick(v: Sequence[Any]) -> list[Any]:
+        return [v[i] for i in indices] if v else []
+
+    return TokenBatch(
+        input_ids=pick(batch.input_ids),
+        completion_start=pick(batch.completion_start),
+        advantages=pick(batch.advantages),
+        behaviour_logprobs=pick(batch.behaviour_logprobs),
+        ref_logprobs=pick(batch.ref_logprobs),
+    )
+
+
+def shard(batch: TokenBatch, rank: int, world_size: int) -> TokenBatch:
+    """Rank ``rank``'s contiguous share of ``batch`` (its length must divide evenly)."""
+    if len(batch) % world_size:
+        raise ValueError(f"{len(batch)} sequences do not split evenly over {world_size} ranks")
+    per = len(batch) // world_size
+    return take(batch, range(rank * per, (rank + 1) * per))
+
+
+def step_spec(model_dir: Path) -> TrainerSpec:
+    return TrainerSpec(model=str(model_dir), dtype="float32", **STEP_HPARAMS)
+
+
+@contextmanager
+def open_trainer(target: TrainerTarget, spec: TrainerSpec) -> Iterator[TrainerBackend]:
+    """A fresh backend of ``target``, initialised with ``spec``, closed at the end."""
+    trainer = target.factory()
+    try:
+        trainer.init(spec)
+        yield trainer
+    finally:
+        trainer.close()
+
+
+def gather(trainer: TrainerBackend) -> CollectingSink:
+    sink = CollectingSink()
+    trainer.gather_and_broadcast(sink)
+    return sink
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of an HF model dir (sharded or not)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        pytest.skip(f"{model_dir} has no *.safetensors files (this check reads the checkpoint directly)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    """The plain transformers model of ``model_dir`` in float32, eval mode (no dropout: the RL
+    contract wants deterministic logprobs)."""
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_logprobs(model: torch.nn.Module, input_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """One unpadded forward per sequence: ``log p(tok_t | tok_<t)`` for t >= 1, float32 (the
+    graph is kept if grad is enabled)."""
+    out = []
+    for seq in input_ids:
+        ids = torch.tensor([list(seq)])
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        out.append(torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceRun:
+    params: dict[str, torch.Tensor]
+    grad_norms: list[float]
+    initial: dict[str, torch.Tensor]
+
+
+def reference_adamw(model_dir: Path, spec: TrainerSpec, batches: Sequence[TokenBatch]) -> ReferenceRun:
+    """What the trainer contract dictates for one step per batch: the plain HF model, the
+    objective :class:`CompletionNLL` of each batch, ``torch.optim.AdamW`` with the spec's
+    hyper-parameters (no clipping: ``spec.grad_clip`` must be None), grad norm before the step."""
+    if spec.grad_clip is not None:
+        raise ValueError("reference_adamw implements grad_clip=None only")
+    model = hf_model(model_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    norms = []
+    for batch in batches:
+        loss, _ = CompletionNLL(len(batch))(hf_logprobs(model, batch.input_ids), batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+        grads = [p.grad for p in params if p.grad is not None]
+        norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ReferenceRun({n: p.detach().clone() for n, p in model.named_parameters()}, norms, initial)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def max_param_diff(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> tuple[float, str]:
+    """(largest |got - want| over all params, the param where it is); names must match."""
+    assert set(got) == set(want), f"param names differ: {sorted(set(got) ^ set(want))[:5]}"
+    worst, where = 0.0, ""
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape, f"{name}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        d = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
+        if not d <= worst:  # NaN-safe: NaN always wins
+            worst, where = d, name
+    return worst, where
+
+
+def assert_params_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str) -> None:
+    worst, where = max_param_diff(got, want)
+    assert worst <= PARAM_ATOL, f"{what}: max |diff| {worst:.3g} at {where} (> {PARAM_ATOL})"
+
+
+def assert_logprobs_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str, atol: float) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} sequences, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, f"{what}: sequence {i} has {tuple(g.shape)} logprobs, expected {tuple(w.shape)}"
+        d = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
+        assert d <= atol, f"{what}: sequence {i} (length {w.numel() + 1}) max |diff| {d:.3g} > {atol}"
+
+
+def assert_grad_norm_close(got: float, want: float, what: str) -> None:
+    assert math.isfinite(got), f"{what}: reported grad norm {got}"
+    assert abs(got - want) <= GRAD_NORM_RTOL * abs(want), (
+        f"{what}: reported grad norm {got!r}, reference {want!r} (rel diff {abs(got - want) / abs(want):.3g})"
+    )
+
+
+def strict_state_dict(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict ``load_state_dict(strict=True)`` accepts, built from ``params`` (one tensor per
+    *parameter* under its ``named_parameters()`` name). A tied parameter appears once in
+    ``named_parameters()`` but under every alias in ``state_dict()`` (``lm_head.weight`` and
+    ``model.embed_tokens.weight``): each alias gets the tensor of its parameter. Persistent buffers
+    are not weights a trainer owns (rotary tables are recomputed from the config): they keep the
+    model's own values. A name of ``params`` that is no parameter of ``model`` is an error."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    unknown = set(params) - set(name_of.values())
+    assert not unknown, f"not parameters of the HF model: {sorted(unknown)[:5]}"
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter):
+            out[key] = params[name_of[id(value)]]
+        else:
+            out[key] = value.detach()
+    return out
+
+
+# --- world size 2 (run in spawned ranks: module-level, picklable) ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedStepJob:
+    """What each rank of :func:`sharded_step` needs: the backend by its registered name (each rank
+    builds it through the registry, as a launched trainer would), the spec and the global batch."""
+
+    backend: str
+    spec: TrainerSpec
+    batch: TokenBatch
+
+
+def sharded_step(ctx: RankContext, job: ShardedStepJob) -> dict[str, Any]:
+    """One rank: forward its shard, backward it with the objective normalised by the *global*
+    sequence count, step, gather (rank 0 collects). Returns its logprobs, grad norm and (rank 0)
+    the gathered params."""
+    from pipelinerl_sdk.plugins import load_registry
+
+    trainer: TrainerBackend = load_registry().factory("trainer", job.backend)()
+    try:
+        trainer.init(job.spec)
+        mine = shard(job.batch, ctx.rank, ctx.world_size)
+        logprobs = [t.detach().clone() for t in trainer.forward(mine)]
+        trainer.backward(mine, CompletionNLL(len(job.batch)))
+        metrics = trainer.step()
+        sink = CollectingSink() if ctx.rank == 0 else None
+        trainer.gather_and_broadcast(sink)
+        return {
+            "logprobs": logprobs,
+            "grad_norm": metrics.grad_norm,
+            "params": sink.tensors if sink is not None else None,
+            "names": sink.names if sink is not None else None,
+        }
+    finally:
+        trainer.close()
+
+
+@dataclass(frozen=True, slots=True)
+class WorldSizeRuns:
+    """The same forward + step at world size 1 (in this process) and 2 (spawned ranks)."""
+
+    ws1_logprobs: list[torch.Tensor]
+    ws1_grad_norm: float
+    ws1_params: dict[str, torch.Tensor]
+    ws2: list[dict[str, Any]]
+
+
+_WORLD_SIZE_RUNS: dict[tuple[str, str], WorldSizeRuns | BaseException] = {}
+
+
+def world_size_runs(target: TrainerTarget, model_dir: Path) -> WorldSizeRuns:
+    """Forward + backward + step of batch 0 at world size 1 in this process, and at world size 2
+    in two spawned ranks (each on half the batch, built by the registered name). Computed once
+    per (backend, model) and process, for the two world-size checks (a failure is kept too, so
+    the second check fails at once with the same error instead of spawning again)."""
+    key = (target.name, str(model_dir))
+    cached = _WORLD_SIZE_RUNS.get(key)
+    if cached is None:
+        try:
+            spec = step_spec(model_dir)
+            batch = fixed_batch(model_dir, 0)
+            with open_trainer(target, spec) as trainer:
+                logprobs = trainer.forward(batch)
+                trainer.backward(batch, CompletionNLL(len(batch)))
+                metrics = trainer.step()
+                params = gather(trainer).tensors
+            ws2 = run_ranks(2, sharded_step, ShardedStepJob(target.name, spec, batch), timeout_s=300)
+            cached = WorldSizeRuns(logprobs, metrics.grad_norm, params, ws2)
+        except Exception as e:
+            cached = e
+        _WORLD_SIZE_RUNS[key] = cached
+    if isinstance(cached, BaseException):
+        raise cached
+    return cached
+
+
+# --- the checks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.requires("dtype:float32")
+class TrainerContractTests:
+    """The trainer contract, checked on fresh backends of ``trainer_target`` (float32)."""
+
+    @pytest.fixture(autouse=True)
+    def _trainer_selected(self, trainer_target: TrainerTarget | None) -> None:
+        if trainer_target is None:
+            pytest.skip("no trainer backend selected: pass --backend NAME of a registered trainer backend")
+
+    # --- weights in and out ---------------------------------------------------------------------
+
+    def test_init_loads_the_checkpoint_exactly(self, trainer_target: TrainerTarget, conformance_model: Path) -> None:
+        """``init`` loads the HF checkpoint bit for bit: what ``gather_and_broadcast`` hands a
+        sink on rank 0 is exactly the set of tensors in the model dir's safetensors files (same
+        names, shapes, values bitwise; dtype float32, the spec's, upcast exactly if the checkpoint
+        is stored narrower). Checkpoints written by ``save_pretrained`` hold a tied tensor once,
+        under the name ``named_parameters()`` reports, so the sets must be equal."""
+        ckpt = read_checkpoint(conformance_model)
+        with open_trainer(trainer_target, TrainerSpec(model=str(conformance_model), dtype="float32")) as trainer:
+            sink = gather(trainer)
+        missing, extra = sorted(set(ckpt) - set(sink.tensors)), sorted(set(sink.tensors) - set(ckpt))
+        assert not missing and not extra, (
+            f"gathered names differ from the checkpoint's: not gathered {missing[:5]}, "
+            f"not in the checkpoint {extra[:5]}"
+        )
+        for name in sink.names:
+            got, want = sink.tensors[name], ckpt[name].to(torch.float32)
+            assert got.dtype == torch.float32, f"{name}: gathered as {got.dtype}, spec dtype is float32"
+            assert got.shape == want.shape, f"{name}: gathered shape {tuple(got.shape)} != {tuple(want.shape)}"
+            assert bitwise_equal(got, want), (
+                f"{name}: values differ from the checkpoint (max |diff| {float((got - want).abs().max()):.3g})"
+            )
+
+    def test_gather_yields_hf_names_in_param_specs_order(
+        self, trainer_target: TrainerTarget, conformance_model: Path
+    ) -> None:
+        """``gather_and_broadcast`` hands over every param once, in ``param_specs()`` order, with
+        the spec's shape and dtype; the names are exactly the ``named_parameters()`` of a freshly
+        built HF model (``AutoModelForCausalLM.from_config``), and the collection loads into it
+        with ``load_state_dict(strict=True)``, bit for bit.
+
+        Why parameters and not ``state_dict()`` keys: a tied parameter (``lm_head.weight`` tied
+        to ``model.embed_tokens.weight``) is one parameter, listed once by ``named_parameters()``
+        and sent once, but appears under both keys in ``state_dict()``; persistent buffers
+        (rotary tables) are derived from the config, not trained. So the strict load fills each
+        tied alias with its parameter's tensor and keeps the model's own buffers (see
+        :func:`strict_state_dict`): strict over parameters, nothing missing or unexpected."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with open_trainer(trainer_target, TrainerSpec(model=str(conformance_model), dtype="float32")) as trainer:
+            specs = trainer.param_specs()
+            sink = gather(trainer)
+        assert sink.names == [s.name for s in specs], (
+            "gather_and_broadcast order/names differ from param_specs(): first difference at "
+            + next(
+                (
+                    f"#{i}: sent {a!r}, spec {b.name!r}"
+                    for i, (a, b) in enumerate(zip(sink.names, specs, strict=False))
+                    if a != b.name
+                ),
+                f"the end ({len(sink.names)} sent, {len(specs)} specs)",
+            )
+        )
+        for s in specs:
+            t = sink.tensors[s.name]
+            assert tuple(t.shape) == s.shape, f"{s.name}: sent shape {tuple(t.shape)}, spec {s.shape}"
+            assert dtype_name(t.dtype) == s.dtype == "float32", f"{s.name}: sent {t.dtype}, spec {s.dtype}"
+        config = AutoConfig.from_pretrained(conformance_model)
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        hf_names = {n for n, _ in fresh.named_parameters()}
+        sent = set(sink.names)
+        assert sent == hf_names, (
+            f"names are not the HF model's parameters: not HF {sorted(sent - hf_names)[:5]}, "
+            f"never sent {sorted(hf_names - sent)[:5]}"
+        )
+        result = fresh.load_state_dict(strict_state_dict(fresh, sink.tensors), strict=True)
+        assert not result.missing_keys and not result.unexpected_keys
+        for n, p in fresh.named_parameters():
+            assert bitwise_equal(p.detach(), sink.tensors[n]), f"{n}: not loaded bit for bit"
+
+    # --- forward --------------------------------------------------------------------------------
+
+    def test_forward_equals_plain_transformers(self, trainer_target: TrainerTarget, conformance_model: Path) -> None:
+        """``forward`` on a batch of sequences of different lengths returns, per sequence, one
+        float32 logprob per token after the first, without grad, equal (max |diff| <= 1e-5) to a
+        plain transformers forward of the same weights run on each sequence alone: padding and
+        batching change nothing."""
+        batch = fixed_batch(conformance_model, 0)
+        with open_trainer(trainer_target, TrainerSpec(model=str(conformance_model), dtype="float32")) as trainer:
+            got = trainer.forward(batch)
+        for i, t in enumerate(got):
+            assert t.dtype == torch.float32, f"sequence {i}: logprobs are {t.dtype}, the contract says float32"
+            assert not t.requires_grad, f"sequence {i}: forward returned a tensor that requires grad"
+        with torch.no_grad():
+            want = hf_logprobs(hf_model(conformance_model), batch.input_ids)
+        assert_logprobs_close(got, want, "forward vs transformers", FORWARD_ATOL)
+
+    # --- backward and step ----------------------------------------------------------------------
+
+    def test_step_equals_plain_adamw(self, trainer_target: TrainerTarget, conformance_model: Path) -> None:
+        """Two rounds of ``backward`` + ``step`` (two different batches, the objective
+        :class:`CompletionNLL`) leave every param within 1e-6 of a plain ``torch.optim.AdamW``
+        run on the HF model with the same lr, betas, eps, weight decay and no clipping
+        (:data:`STEP_HPARAMS`; two steps, because betas only matter from the second); each
+        ``step`` reports the reference's total grad norm (rel. 1e-5) and the spec's lr. The
+        reference moves params ~2e-4, so a step that is merely close (a wrong lr, betas, eps,
+        coupled or missing weight decay, SGD) fails."""
+        spec = step_spec(conformance_model)
+        batches = [fixed_batch(conformance_model, 0), fixed_batch(conformance_model, 1)]
+        metrics: list[StepMetrics] = []
+        with open_trainer(trainer_target, spec) as trainer:
+            for batch in batches:
+                trainer.backward(batch, CompletionNLL(len(batch)))
+                metrics.append(trainer.step())
+            got = gather(trainer).tensors
+        ref = reference_adamw(conformance_model, spec, batches)
+        moved, _ = max_param_diff(ref.params, ref.initial)
+        assert moved >= 100 * PARAM_ATOL, f"the reference step moved params by only {moved:.3g}: check is vacuous"
+        assert_params_close(got, ref.params, "params after two steps vs torch AdamW")
+        for i, (m, want) in enumerate(zip(metrics, ref.grad_norms, strict=True)):
+            assert_grad_norm_close(m.grad_norm, want, f"step {i + 1}")
+            assert math.isclose(m.lr, spec.lr, rel_tol=1e-9), f"step {i + 1}: reported lr {m.lr}, spec {spec.lr}"
+        assert metrics[1].step > metrics[0].step, f"step counter did not advance: {metrics}"
+
+    def test_micro_batches_accumulate(self, trainer_target: TrainerTarget, conformance_model: Path) -> None:
+        """Two ``backward`` calls (two halves of a batch, the objective normalised by the whole
+        batch's sequence count) then one ``step`` equal one ``backward`` on the concatenated
+        batch then ``step``: params within 1e-6, grad norms rel. 1e-5. And ``backward`` alone
+        changes no weight: ``forward`` is bitwise unchanged after both backward calls."""
+        spec = step_spec(conformance_model)
+        batch = fixed_batch(conformance_model, 0)
+        n = len(batch)
+        with open_trainer(trainer_target, spec) as trainer:
+            before = trainer.forward(batch)
+            for half in (take(batch, range(n // 2)), take(batch, range(n // 2, n))):
+                trainer.backward(half, CompletionNLL(n))
+            after = trainer.forward(batch)
+            for i, (a, b) in enumerate(zip(before, after, strict=True)):
+                assert bitwise_equal(a, b), f"backward changed the weights (sequence {i}'s logprobs moved)"
+            split = trainer.step()
+            split_params = gather(trainer).tensors
+        with open_trainer(trainer_target, spec) as trainer:
+            trainer.backward(batch, CompletionNLL(n))
+            whole = trainer.step()
+            whole_params = gather(trainer).tensors
+        assert_params_close(split_params, whole_params, "two micro-batches vs one batch")
+        assert_grad_norm_close(split.grad_norm, whole.grad_norm, "two micro-batches vs one batch")
+
+    # --- world size 2 ---------------------------------------------------------------------------
+
+    @pytest.mark.requires("world_size:2")
+    def test_world_size_2_step_equals_world_size_1(
+        self, trainer_target: TrainerTarget, conformance_model: Path
+    ) -> None:
+        """Two ranks (spawned with :func:`~pipelinerl_sdk.trainer_group.run_ranks`, each building
+        the backend by its registered name), each on half of the batch with the objective
+        normalised by the global sequence count, then ``step``: rank 0's gathered params equal
+        world size 1 on the whole batch within 1e-6, in the same order, and every rank reports
+        the same global grad norm (rel. 1e-5): gradients are reduced across ranks (summed, as the
+        Objective contract says), not averaged or left local."""
+        r = world_size_runs(trainer_target, conformance_model)
+        rank0 = r.ws2[0]
+        assert rank0["params"] is not None, "rank 0 collected nothing"
+        assert rank0["names"] == list(r.ws1_params), "world size 2 gathers in another order than world size 1"
+        assert_params_close(rank0["params"], r.ws1_params, "world size 2 vs world size 1 after one step")
+        for rank, out in enumerate(r.ws2):
+            assert_grad_norm_close(out["grad_norm"], r.ws1_grad_norm, f"rank {rank} of 2 vs world size 1")
+
+    @pytest.mark.requires("world_size:2")
+    def test_world_size_2_forward_equals_world_size_1(
+        self, trainer_target: TrainerTarget, conformance_model: Path
+    ) -> None:
+        """``forward`` at world size 2, each rank on its half of the batch, returns for those
+        sequences what world size 1 returns on the whole batch (max |diff| <= 1e-5)."""
+        r = world_size_runs(trainer_target, conformance_model)
+        got = [t for out in r.ws2 for t in out["logprobs"]]
+        assert_logprobs_close(got, r.ws1_logprobs, "forward at world size 2 vs 1", FORWARD_ATOL)
+
+
+__all__ = [
+    "FORWARD_ATOL",
+    "GRAD_NORM_RTOL",
+    "PARAM_ATOL",
+    "STEP_HPARAMS",
+    "CollectingSink",
+    "CompletionNLL",
+    "ReferenceRun",
+    "ShardedStepJob",
+    "TrainerContractTests",
+    "fixed_batch",
+    "hf_logprobs",
+    "hf_model",
+    "read_checkpoint",
+    "reference_adamw",
+    "shard",
+    "sharded_step",
+    "strict_state_dict",
+    "take",
+]
