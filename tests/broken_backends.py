@@ -1,0 +1,293 @@
+"""Deliberately broken inference backends: the conformance suite must report each of them.
+
+A test-only plugin, never installed: load it with ``PIPELINERL_EXTRA_PLUGINS=tests.broken_backends``
+(and the repository root on ``PYTHONPATH``), then ``pipelinerl serve --backend broken-...`` or
+``pytest conformance --backend=broken-...`` finds these backends.
+
+Each backend is the reference backend wrong in exactly ONE way; its docstring names the standard
+check that must catch it. ``tests/test_conformance_catches_broken_inference.py`` runs those checks
+against each backend and asserts they fail with a message naming the problem.
+
+The ``GAP_BACKENDS`` are broken too, but (at the time of writing) no standard check catches them:
+they document where the suite is too weak, and the test module marks them strict xfail, so the day
+the suite catches one, the xfail turns into a failure and the backend moves to the caught list.
+
+Importing this module imports torch (the classes subclass the reference backend); the plugin hook
+itself registers dotted paths only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from pipelinerl_sdk.contracts import InferenceCapabilities, ServeConfig, UpdateReport, validate_update_request
+from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
+from pipelinerl_sdk.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    ParamSpec,
+    ReceiveMode,
+    WeightUpdateRequest,
+)
+from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
+from pipelinerl_sdk.reference.capabilities import INFERENCE
+from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import WeightSyncGroup
+from pipelinerl_sdk.weights.receive import update_key
+from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, from_bytes
+
+#: The shift of ``broken-wrong-logprobs``: far above the float32 tolerance (1e-4), small enough
+#: that every logprob stays <= 0 and the tokens are unchanged.
+LOGPROB_SHIFT = -0.05
+
+#: Receive modes of ``broken-half-applies`` (it has no staging, so it cannot honour ``staged``).
+DIRECT_ONLY = dataclasses.replace(INFERENCE, receive_modes=frozenset({"direct"}))
+
+
+def _rebuild_engine(
+    old: ContinuousBatchingEngine, cls: type[ContinuousBatchingEngine], *, version: int
+) -> ContinuousBatchingEngine:
+    """A new, not yet started engine over ``old``'s model with ``old``'s settings."""
+    return cls(
+        old.model,
+        eos_token_ids=sorted(old._eos_ids),
+        max_batch_size=old._max_batch_size,
+        max_model_len=old._max_model_len,
+        version=version,
+    )
+
+
+# --- caught by the standard checks ---------------------------------------------------------------
+
+
+class IgnoresUpdates(ReferenceInferenceBackend):
+    """Receives every broadcast and bumps the version, but copies the new weights into a detached
+    copy of the params, so the model keeps serving its initial weights.
+
+    Caught by ``test_update_serves_exactly_the_new_weights``: after the update its logprobs are
+    the old weights' ("completion logprobs differ from the weights the server should hold")."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self._params = {
+            name: torch.nn.Parameter(p.detach().clone(), requires_grad=False) for name, p in self._params.items()
+        }
+
+
+class WrongLogprobs(ReferenceInferenceBackend):
+    """Generates exactly the reference's tokens, but reports every completion logprob shifted by
+    ``LOGPROB_SHIFT`` (still <= 0).
+
+    Caught by ``test_logprobs_match_the_served_weights`` (on the fresh server): "completion
+    logprobs differ from the weights the server should hold: max |diff| 0.05"."""
+
+    def _choice(self, index: int, r: GenerationResult, req: ChatCompletionRequest) -> ChatChoice:
+        choice = super()._choice(index, r, req)
+        if choice.logprobs is None:
+            return choice
+        shifted = [t.model_copy(update={"logprob": t.logprob + LOGPROB_SHIFT}) for t in choice.logprobs.content]
+        return choice.model_copy(update={"logprobs": ChoiceLogprobs(content=shifted)})
+
+
+class AbortsInFlight(ReferenceInferenceBackend):
+    """Applies every update correctly, then restarts its engine: ``engine.stop()`` aborts every
+    running request, which returns its partial output with ``finish_reason="abort"``; a fresh
+    engine over the same (updated) model serves the new version from then on.
+
+    Caught by ``test_requests_in_flight_survive_updates``: "request cut short: abort, N tokens"."""
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        report = await super().update_weights(req, mode, on_accepted)
+        new = _rebuild_engine(self.engine, ContinuousBatchingEngine, version=req.version)
+        await new.start()
+        old, self.engine = self.engine, new  # new requests go to the new engine from here on
+        await old.stop()  # the old engine's running requests end as "abort", cut short
+        return report
+
+
+class HalfApplies(ReferenceInferenceBackend):
+    """No staging: in ``direct`` mode (its only mode) it receives bucket after bucket and copies
+    each bucket's tensors into the live params as soon as the bucket arrives. A broadcast that
+    dies half-way leaves the first half of the params changed while the old version is reported.
+
+    Caught by ``test_interrupted_broadcast_keeps_old_weights_serving``: after the trainer is
+    killed, "completion logprobs differ from the weights the server should hold"."""
+
+    capabilities = DIRECT_ONLY
+
+    @property
+    def default_mode(self) -> ReceiveMode:
+        return "direct"
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        receiver = self._receiver
+        if receiver is None:
+            raise GroupError("no weight-update group")
+        plan = BucketPlan.build(req.params, req.bucket_bytes)
+        t0 = time.perf_counter()
+        try:
+            on_accepted()
+            async with self.engine.paused() as hold:
+                receive_s = await asyncio.to_thread(
+                    _receive_applying_each_bucket,
+                    receiver.group,
+                    plan,
+                    update_key(req.version),
+                    req.timeout_s,
+                    self._params,
+                )
+                self.engine.set_version(req.version)
+        except UpdateAborted:
+            raise
+        except GroupError as e:
+            raise UpdateFailed(f"receive failed, version {self.version} still serving: {e}") from e
+        return UpdateReport(req.version, mode, hold.held_s, receive_s, 0.0, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def _receive_applying_each_bucket(
+    group: WeightSyncGroup, plan: BucketPlan, key: str, timeout_s: float, params: Mapping[str, torch.Tensor]
+) -> float:
+    """The bug of ``HalfApplies``: apply each bucket as soon as it arrived."""
+    group.await_decision(key, timeout_s)
+    t0 = time.perf_counter()
+    for b in plan.buckets:
+        buf = torch.empty(b.nbytes, dtype=torch.uint8, device=group.device)
+        group.broadcast(buf, 0, what=f"receive of bucket {b.index}")
+        for e in b.entries:
+            params[e.spec.name].copy_(from_bytes(buf[e.offset : e.offset + e.spec.nbytes], e.spec))
+    return time.perf_counter() - t0
+
+
+class AcceptsUnknownNames(ReferenceInferenceBackend):
+    """Its ``validate_update`` does not check param names against the model: an update carrying a
+    param the model does not have is accepted, its bytes are received, and that param is silently
+    dropped (the update "succeeds"). The other checks (missing params, shapes, dtypes, version,
+    digest) are the standard ones.
+
+    Caught by ``test_bad_updates_are_refused_before_any_receive``: the ``unknown-extra-name`` case
+    is not refused with 422."""
+
+    def validate_update(self, req: WeightUpdateRequest) -> None:
+        known = {s.name for s in self.param_specs()}
+        validate_update_request(
+            req,
+            expected=[*self.param_specs(), *(p for p in req.params if p.name not in known)],  # the bug
+            current_version=self.version,
+            modes=self.capabilities.receive_modes,
+            group=self.group_state(),
+        )
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        live = self._params
+        self._params = {**live, **{p.name: _scratch(p) for p in req.params if p.name not in live}}
+        try:
+            return await super().update_weights(req, mode, on_accepted)
+        finally:
+            self._params = live
+
+
+def _scratch(spec: ParamSpec) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype]), requires_grad=False)
+
+
+class StaleVersions(ReferenceInferenceBackend):
+    """Tags every token of a completion with the version served when the request started, not
+    with the version of the forward that produced it: tokens generated after an in-flight update
+    keep the old version.
+
+    Caught by ``test_requests_in_flight_survive_updates``: "no request saw the new weights while
+    in flight"."""
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        at_start = self.version
+        resp = await super().chat_completion(req)
+        choices = [c.model_copy(update={"weight_versions": [at_start] * len(c.weight_versions)}) for c in resp.choices]
+        return resp.model_copy(update={"choices": choices})
+
+
+# --- not caught by any standard check (gaps of the suite) ----------------------------------------
+
+
+class _TemperatureEngine(ContinuousBatchingEngine):
+    """Records logprobs of the temperature-scaled distribution (vLLM's "processed" logprobs)."""
+
+    def _record(self, request: object, logits: torch.Tensor, logp: torch.Tensor, version: int) -> None:
+        params: SamplingParams = request.params  # type: ignore[attr-defined]
+        if params.temperature > 0:
+            logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        super()._record(request, logits, logp, version)  # type: ignore[arg-type]
+
+
+class TemperatureLogprobs(ReferenceInferenceBackend):
+    """Samples like the reference, but reports the logprobs of the *temperature-scaled*
+    distribution instead of the raw model's (the contract: "the raw model log-probability ...
+    before temperature"). An RL trainer would then compute wrong importance ratios.
+
+    Should be caught by a logprob check, but every logprob the suite compares comes from a greedy
+    (``temperature=0``) request, and the only sampled requests use the default ``temperature=1``,
+    where scaling is the identity: no standard check catches it."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _TemperatureEngine, version=0)
+
+
+class NotAtomicOnAbort(ReferenceInferenceBackend):
+    """When the trainer calls an accepted update off (its ``abort`` decision: another server of
+    the fleet refused), it still advances its version: the old weights are then served and tagged
+    as the new version.
+
+    Should be caught by a check of the trainer's abort, but the suite runs one server, whose own
+    refusals happen in ``validate_update`` before ``update_weights`` starts: no standard check
+    ever makes ``update_weights`` see an ``abort`` decision."""
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        try:
+            return await super().update_weights(req, mode, on_accepted)
+        except UpdateAborted:
+            async with self.engine.paused():
+                self.engine.set_version(req.version)  # the bug
+            raise
+
+
+#: Backend name -> (class name, capabilities); the standard checks catch each of these.
+CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
+    "broken-ignores-updates": ("IgnoresUpdates", INFERENCE),
+    "broken-wrong-logprobs": ("WrongLogprobs", INFERENCE),
+    "broken-aborts-in-flight": ("AbortsInFlight", INFERENCE),
+    "broken-half-applies": ("HalfApplies", DIRECT_ONLY),
+    "broken-accepts-unknown-names": ("AcceptsUnknownNames", INFERENCE),
+    "broken-stale-versions": ("StaleVersions", INFERENCE),
+}
+
+#: Broken backends no standard check catches yet.
+GAP_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
+    "broken-temperature-logprobs": ("TemperatureLogprobs", INFERENCE),
+    "broken-not-atomic-on-abort": ("NotAtomicOnAbort", INFERENCE),
+}
+
+
+@hookimpl
+def register_backends(registry: BackendRegistry) -> None:
+    for name, (cls, caps) in {**CAUGHT_BACKENDS, **GAP_BACKENDS}.items():
+        summary = re.split(r"\.\s", " ".join((globals()[cls].__doc__ or "").split()))[0]
+        registry.register_inference_backend(name, f"{__name__}:{cls}", caps, summary)

@@ -1,0 +1,299 @@
+"""The conformance suite can fail: each deliberately broken backend of :mod:`tests.broken_backends`
+is run through the standard check(s) that must catch it, in a child pytest (as a user would run
+``pytest conformance --backend=NAME``), and that check must FAIL (not error, not skip) with a message
+naming the problem. The same checks must all pass on the reference backend.
+
+Tests run in file order: the reference run, the gap runs, then the caught backends, the slowest last
+(it starts in the background with the module and mostly waits on a timeout meanwhile).
+
+The ``GAP_BACKENDS`` (broken in ways no standard check notices yet) run through the whole suite and
+xfail; the day the suite catches one, the test fails and says so (a hand-made strict xfail: child
+runs that break, rather than pass, still fail the test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = "conformance/test_inference.py"
+PLUGIN = "tests.broken_backends"
+
+
+def _load_plugin_module() -> ModuleType:
+    """``tests/broken_backends.py``, by path (the repository root need not be on ``sys.path`` here;
+    the children get it through ``PYTHONPATH``)."""
+    spec = importlib.util.spec_from_file_location("_broken_backends_names", ROOT / "tests" / "broken_backends.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_plugin = _load_plugin_module()
+CAUGHT_BACKENDS: dict[str, object] = _plugin.CAUGHT_BACKENDS
+GAP_BACKENDS: dict[str, object] = _plugin.GAP_BACKENDS
+#: One child run (server start included); the slowest, broken-accepts-unknown-names, takes ~100 s.
+CHILD_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """How the suite must report a broken backend."""
+
+    #: ``-k`` selection of the child run: the check(s) that must catch the backend.
+    select: str
+    #: Name (up to the parameter brackets) of the check that must fail.
+    check: str
+    #: Text the failure message must contain.
+    says: str
+    #: The suite fails but does not name the problem (a known weakness of the suite): the symptom
+    #: it shows instead, and why. The test then xfails, and fails once the message names it.
+    weak_message: tuple[str, str] | None = None
+
+
+EXPECTED: dict[str, Expectation] = {
+    "broken-ignores-updates": Expectation(
+        "test_update_serves_exactly_the_new_weights and staged",
+        "test_update_serves_exactly_the_new_weights",
+        "completion logprobs differ from the weights the server should hold",
+    ),
+    "broken-wrong-logprobs": Expectation(
+        "test_logprobs_match_the_served_weights",
+        "test_logprobs_match_the_served_weights",
+        "completion logprobs differ from the weights the server should hold: max |diff| 0.05",
+    ),
+    "broken-aborts-in-flight": Expectation(
+        "test_requests_in_flight_survive_updates",
+        "test_requests_in_flight_survive_updates",
+        "request cut short: abort",
+    ),
+    "broken-half-applies": Expectation(
+        "test_interrupted_broadcast_keeps_old_weights_serving",
+        "test_interrupted_broadcast_keeps_old_weights_serving",
+        "completion logprobs differ from the weights the server should hold",
+    ),
+    "broken-stale-versions": Expectation(
+        "test_requests_in_flight_survive_updates",
+        "test_requests_in_flight_survive_updates",
+        "no request saw the new weights while in flight",
+    ),
+    "broken-accepts-unknown-names": Expectation(
+        "test_bad_updates_are_refused_before_any_receive",
+        "test_bad_updates_are_refused_before_any_receive",
+        "unknown-extra-name",
+        weak_message=(
+            "ReadTimeout",
+            "the check posts bad updates with the default decision timeout (timeout_s=120) and reads "
+            "the whole NDJSON body: a server that wrongly accepts one holds the response open, so the "
+            "check dies after 60 s with httpx.ReadTimeout instead of 'unknown-extra-name: got 200'",
+        ),
+    ),
+}
+assert set(EXPECTED) == set(CAUGHT_BACKENDS), "every caught broken backend needs an expectation"
+
+#: Gap backend -> what the suite lacks (the xfail reason).
+GAPS: dict[str, str] = {
+    "broken-temperature-logprobs": (
+        "every logprob the suite compares comes from a greedy request (temperature=0) and the sampled "
+        "ones use temperature=1, where temperature-scaled logprobs equal the raw ones"
+    ),
+    "broken-not-atomic-on-abort": (
+        "with one server, an update is refused in validate_update, before update_weights starts: no "
+        "check makes update_weights see the trainer's abort decision (a fleet where another server refused)"
+    ),
+}
+assert set(GAPS) == set(GAP_BACKENDS), "every gap backend needs a reason"
+
+#: Started in the background when the module starts (if selected): such a run mostly waits on a
+#: timeout, and the other tests run meanwhile; its test comes last (tests run in file order).
+SLOW = ("broken-accepts-unknown-names",)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One testcase of a child run's junit XML: ``passed``, ``failed``, ``error`` or ``skipped``."""
+
+    name: str
+    status: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    backends: tuple[str, ...]
+    select: str | None
+    returncode: int
+    output: str
+    outcomes: tuple[Outcome, ...]
+    seconds: float
+
+    def of(self, check: str, backend: str | None = None) -> list[Outcome]:
+        """Outcomes of ``check`` (all its parameters), for ``backend`` when given."""
+        return [
+            o
+            for o in self.outcomes
+            if o.name.split("[")[0] == check and (backend is None or f"[inference:{backend}" in o.name)
+        ]
+
+    def describe(self) -> str:
+        lines = [f"  {o.status:8} {o.name}: {o.message[:300]}" for o in self.outcomes]
+        return (
+            f"child pytest --backend={','.join(self.backends)} -k {self.select!r}: rc {self.returncode} in "
+            f"{self.seconds:.0f} s\n" + "\n".join(lines) + "\n--- output tail ---\n" + self.output[-3000:]
+        )
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PIPELINERL_EXTRA_PLUGINS"] = PLUGIN
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class _Pending:
+    """A child pytest run of the conformance suite, started now, collected by :meth:`result`."""
+
+    def __init__(self, backends: tuple[str, ...], select: str | None, workdir: Path) -> None:
+        self.backends, self.select = backends, select
+        self.xml = workdir / "r.xml"
+        self._log = workdir / "out.txt"
+        cmd = [sys.executable, "-m", "pytest", SUITE, "-p", "no:cacheprovider", "-q", f"--junitxml={self.xml}"]
+        cmd += [f"--backend={b}" for b in backends]
+        if select is not None:
+            cmd += ["-k", select]
+        self._t0 = time.monotonic()
+        with open(self._log, "wb") as log:
+            self._proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> ChildRun:
+        try:
+            rc = self._proc.wait(CHILD_TIMEOUT_S - (time.monotonic() - self._t0))
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+            pytest.fail(f"child pytest did not finish in {CHILD_TIMEOUT_S} s:\n{self._log.read_text()[-3000:]}")
+        seconds = time.monotonic() - self._t0
+        output = self._log.read_text(errors="replace")
+        outcomes = _parse_junit(self.xml) if self.xml.exists() else ()
+        return ChildRun(self.backends, self.select, rc, output, outcomes, seconds)
+
+    def cancel(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _parse_junit(path: Path) -> tuple[Outcome, ...]:
+    outcomes = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        status, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                status = {"failure": "failed"}.get(tag, tag)
+                message = f"{el.get('message', '')}\n{el.text or ''}"
+                break
+        outcomes.append(Outcome(case.get("name", "?"), status, message))
+    return tuple(outcomes)
+
+
+class Runs:
+    """Child runs of this module, each started once; the ``SLOW`` ones start at module start."""
+
+    def __init__(self, workdir: Path, selected: set[str]) -> None:
+        self._workdir = workdir
+        self._pending: dict[str, _Pending] = {}
+        self._done: dict[str, ChildRun] = {}
+        for name in SLOW:
+            if name in selected:
+                self._start(name)
+
+    def _start(self, backend: str) -> _Pending:
+        d = self._workdir / backend
+        d.mkdir()
+        pending = _Pending((backend,), EXPECTED[backend].select, d)
+        self._pending[backend] = pending
+        return pending
+
+    def get(self, backend: str) -> ChildRun:
+        if backend not in self._done:
+            pending = self._pending.get(backend) or self._start(backend)
+            self._done[backend] = pending.result()
+        return self._done[backend]
+
+    def close(self) -> None:
+        for p in self._pending.values():
+            p.cancel()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    selected = {
+        getattr(item, "callspec").id  # noqa: B009 (pytest.Item has no typed callspec)
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+    }
+    r = Runs(tmp_path_factory.mktemp("conformance-children"), selected)
+    yield r
+    r.close()
+
+
+def test_the_same_checks_pass_on_the_reference_backend(tmp_path: Path) -> None:
+    """The checks that must catch the broken backends (the union of their selections), on one
+    reference server: every one runs and passes."""
+    select = " or ".join(f"({s})" for s in dict.fromkeys(e.select for e in EXPECTED.values()))
+    run = _Pending(("reference",), select, tmp_path).result()
+    checks = {e.check for e in EXPECTED.values()}
+    for check in checks:
+        assert run.of(check), f"{check} did not run\n{run.describe()}"
+    assert run.outcomes and all(o.status == "passed" for o in run.outcomes), run.describe()
+    assert run.returncode == 0, run.describe()
+
+
+@pytest.mark.parametrize("backend", list(GAPS))
+def test_the_suite_misses_a_gap_backend(backend: str, tmp_path: Path) -> None:
+    """A known gap: the whole suite runs cleanly and passes on this broken backend, so the test
+    xfails; once a check fails on it, the test fails, asking to move it to CAUGHT_BACKENDS."""
+    run = _Pending((backend,), None, tmp_path).result()
+    assert run.outcomes and run.returncode in (0, 1), run.describe()
+    assert not [o for o in run.outcomes if o.status == "error"], run.describe()
+    failed = [o.name for o in run.outcomes if o.status == "failed"]
+    if failed:
+        pytest.fail(f"the suite now catches {backend} ({failed}): move it to CAUGHT_BACKENDS with an expectation")
+    pytest.xfail(f"suite gap, {len(run.outcomes)} checks pass on {backend}: {GAPS[backend]}")
+
+
+@pytest.mark.parametrize("backend", list(EXPECTED))
+def test_the_suite_catches_a_broken_backend(runs: Runs, backend: str) -> None:
+    """The intended check fails in its test body (the server started, nothing skipped) and its
+    message names the problem."""
+    exp = EXPECTED[backend]
+    run = runs.get(backend)
+    mine = run.of(exp.check, backend)
+    assert mine, f"{exp.check} did not run against {backend}\n{run.describe()}"
+    failed = [o for o in mine if o.status == "failed"]
+    assert failed, f"{exp.check} did not FAIL against {backend}\n{run.describe()}"
+    assert not [o for o in run.outcomes if o.status in ("error", "skipped")], run.describe()
+    assert run.returncode == 1, f"child pytest ended with rc {run.returncode} (1 = tests failed)\n{run.describe()}"
+    message = failed[0].message
+    if exp.weak_message is not None:
+        symptom, why = exp.weak_message
+        if exp.says in message:
+            pytest.fail(f"the suite now names the problem ({exp.says!r}): drop weak_message for {backend}")
+        assert symptom in message, f"expected the known weak symptom {symptom!r}\n{run.describe()}"
+        pytest.xfail(f"caught, but the message does not name the problem: {why}")
+    assert exp.says in message, f"the failure of {exp.check} does not say {exp.says!r}\n{run.describe()}"
