@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,7 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        shutil.rmtree(self._dir, ignore_errors=True)
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:

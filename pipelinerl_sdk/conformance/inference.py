@@ -19,14 +19,16 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+import torch
 
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
-from pipelinerl_sdk.errors import FanOutError
+from pipelinerl_sdk.errors import FanOutError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient
-from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec, ServerInfo
+from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec, ServerInfo, WeightUpdateRequest
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.receive import update_key
 
 T = TypeVar("T")
 PROMPT = [{"role": "user", "content": "What is 12+7? Answer with digits."}]
@@ -83,6 +85,8 @@ def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any
         "version": version,
         "params": [p.model_dump(mode="json") for p in info.params],
         "bucket_bytes": 64 << 10,
+        # short: a server that wrongly accepts answers 200 and gives up on the decision at once
+        "timeout_s": 2.0,
     }
     body.update(changes)
     if "plan_digest" not in body:
@@ -183,6 +187,40 @@ class InferenceContractTests:
                     pytest.skip("the server was already updated (run this check on a fresh server)")
                 resp = await greedy(client, prompt_logprobs=server_under_test.capabilities.prompt_logprobs)
                 check_against_mirror(resp, mirror, prompt=server_under_test.capabilities.prompt_logprobs)
+
+        arun(body)
+
+    def test_sampled_logprobs_are_the_models_raw_logprobs(self, server_under_test: ServerUnderTest) -> None:
+        """Sampling at temperature 0.7 with n=3: every choice's logprobs are the raw model
+        distribution's (log_softmax of the logits, before temperature), as vLLM reports them;
+        with ``top_logprobs`` the alternatives are the model's best tokens with their logprobs."""
+        mirror = Mirror(server_under_test.model_dir, server_under_test.dtype)
+        top = 3 if server_under_test.capabilities.top_logprobs else 0
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                if (await client.info()).version != 0:
+                    pytest.skip("the server was already updated (run this check on a fresh server)")
+                req: dict[str, Any] = {
+                    "messages": PROMPT, "max_tokens": 10, "n": 3, "temperature": 0.7, "seed": 5,
+                    "logprobs": True, "return_token_ids": True,
+                }  # fmt: skip
+                if top:
+                    req["top_logprobs"] = top
+                resp = await client.chat(req)
+                prompt = resp.prompt_token_ids or []
+                for c in resp.choices:
+                    assert c.token_ids is not None and c.logprobs is not None
+                    ref = mirror.logprobs(prompt + c.token_ids)[len(prompt) - 1 :]
+                    ok, msg = compare([t.logprob for t in c.logprobs.content], ref, mirror.dtype)
+                    assert ok, f"choice {c.index}: sampled logprobs are not the raw model logprobs: {msg}"
+                    if top:
+                        full = mirror.full_logprobs(prompt + c.token_ids)[len(prompt) - 1 :]
+                        for j, t in enumerate(c.logprobs.content):
+                            assert len(t.top_logprobs) == top, f"token {j}: {len(t.top_logprobs)} alternatives"
+                            want = torch.topk(full[j], top).values
+                            ok, msg = compare([a.logprob for a in t.top_logprobs], want, mirror.dtype)
+                            assert ok, f"choice {c.index} token {j}: top_logprobs are not the model's best: {msg}"
 
         arun(body)
 
@@ -303,14 +341,17 @@ class InferenceContractTests:
             async with server_under_test.client() as client:
                 publisher = await connect(server_under_test, client)
                 start = (await client.info()).version
-                n, budget = 6, 600
-                running = [
-                    asyncio.create_task(
-                        client.chat({"messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "seed": i})
+                n, budget = 6, 1000
+                running = []
+                for i in range(n):
+                    running.append(
+                        asyncio.create_task(
+                            client.chat({"messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "seed": i})
+                        )
                     )
-                    for i in range(n)
-                ]
-                await asyncio.sleep(0.3)
+                    await asyncio.sleep(0.02)  # sent in this order
+                # A barrier: a one-token request sent after them is answered once they are running.
+                await client.chat({"messages": PROMPT, "max_tokens": 1})
                 assert not any(r.done() for r in running), "requests finished before the first update"
                 for k in (1, 2):
                     info = await client.info()
@@ -393,6 +434,43 @@ class InferenceContractTests:
                     assert r.status_code == 409, r.text
                     await asyncio.to_thread(mirror.send_all, sink, info.params)
                 assert (await client.info()).version == info.version + 1
+                check_against_mirror(await greedy(client, prompt_logprobs=False), mirror, prompt=False)
+                await publisher.close()
+
+        arun(body)
+
+    def test_called_off_update_changes_nothing(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """An update the server accepted, then the trainer called off (another server of the fleet
+        refused it): the server answers an error at once, keeps its version and weights, its group
+        stays healthy, and the next update works."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                assert publisher.group is not None
+                info = await client.info()
+                before = await greedy(client, prompt_logprobs=False)
+                plan = BucketPlan.build(info.params, publisher.bucket_bytes)
+                req = WeightUpdateRequest(
+                    version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
+                    plan_digest=plan.digest(), timeout_s=60,
+                )  # fmt: skip
+                call = client.request_weight_update(req)
+                await asyncio.wait_for(call.accepted, 30)
+                t0 = time.monotonic()
+                publisher.group.post_decision(update_key(req.version), go=False, reason="another server refused")
+                with pytest.raises(ServerError):
+                    await asyncio.wait_for(call.final, 30)
+                assert time.monotonic() - t0 < 10, "the abort must not wait for a timeout"
+                after = await client.info()
+                assert after.version == info.version and not after.updating
+                assert after.group is not None and not after.group.broken
+                resp = await greedy(client, prompt_logprobs=False)
+                assert resp.choices[0].token_ids == before.choices[0].token_ids
+                assert set(resp.choices[0].weight_versions) == {info.version}
+                check_against_mirror(resp, mirror, prompt=False)
+                mirror.perturb(seed=info.version + 1)
+                await mirror.publish(publisher, info.version + 1, info.params)
                 check_against_mirror(await greedy(client, prompt_logprobs=False), mirror, prompt=False)
                 await publisher.close()
 

@@ -111,6 +111,12 @@ class Mirror:
             await asyncio.to_thread(self.send_all, sink, specs)
 
     @torch.no_grad()
+    def full_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """``log p(. | tok_<=t)`` over the vocabulary, for t = 0 .. len-2 (rows)."""
+        ids = torch.tensor([list(token_ids)])
+        return torch.log_softmax(self.model(input_ids=ids, use_cache=False).logits.float()[0, :-1], dim=-1)
+
+    @torch.no_grad()
     def logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``log p(tok_t | tok_<t)`` for t >= 1."""
         ids = torch.tensor([list(token_ids)])

@@ -27,6 +27,12 @@ from pipelinerl_sdk.protocol import (
 )
 
 
+def _describe(e: BaseException) -> str:
+    """``Type: message``, or ``Type`` alone when the message is empty (httpx.ReadError has none)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (connection lost or refused)"
+
+
 def _message(resp: httpx.Response) -> str:
     try:
         body = resp.json()
@@ -79,7 +85,7 @@ class UpdateCall:
         except ServerError as e:
             self._fail(e)
         except (httpx.HTTPError, ValueError) as e:
-            self._fail(ServerError(self.url, f"{type(e).__name__}: {e}"))
+            self._fail(ServerError(self.url, _describe(e)))
         except asyncio.CancelledError:
             self._fail(ServerError(self.url, "update call cancelled"))
             raise
@@ -149,7 +155,7 @@ class InferenceClient:
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.HTTPError as e:
-            raise ServerError(self.url, f"{method} {path}: {type(e).__name__}: {e}") from e
+            raise ServerError(self.url, f"{method} {path}: {_describe(e)}") from e
         if resp.status_code >= 400:
             raise ServerError(self.url, f"{method} {path}: {_message(resp)}", status=resp.status_code)
         return resp.json()

@@ -22,6 +22,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import cast
 
+import torch
+
 from pipelinerl_sdk.errors import FanOutError, GroupError, PipelineRLError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient, UpdateCall
 from pipelinerl_sdk.protocol import (
@@ -77,6 +79,8 @@ class WeightPublisher:
         #: The last successful update's figures.
         self.last: PublishResult | None = None
         self._probe_ids = itertools.count()
+        #: The sender's two bucket buffers, kept across updates (see WeightSender).
+        self._buffers: list[torch.Tensor] | None = None
 
     async def connect(
         self,
@@ -122,6 +126,7 @@ class WeightPublisher:
         if self.group is not None:
             self.group.close()
         self.group = group
+        self._buffers = None  # a failed update's broadcasts may still hold the old ones
 
     def _require_group(self) -> WeightSyncGroup:
         if self.group is None:
@@ -157,7 +162,8 @@ class WeightPublisher:
                 [_as_server_error(r, c) for r, c in zip(accepted, calls, strict=True) if isinstance(r, BaseException)]
             )
         group.post_decision(key, go=True)
-        sender = WeightSender(group, plan)
+        sender = WeightSender(group, plan, self._buffers)
+        self._buffers = sender.buffers
         try:
             yield sender
             stats = await asyncio.to_thread(sender.finish)
@@ -207,6 +213,7 @@ class WeightPublisher:
         if self.group is not None:
             self.group.close()
             self.group = None
+        self._buffers = None
 
 
 def _as_server_error(r: BaseException, call: UpdateCall) -> ServerError:

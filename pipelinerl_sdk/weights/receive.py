@@ -71,7 +71,7 @@ class WeightReceiver:
     def receive_flat(self, nbytes: int, key: str, *, decision_timeout_s: float) -> float:
         """The probe: receive one flat broadcast of ``nbytes`` and discard it."""
         self.group.await_decision(key, decision_timeout_s)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        buf = self._staging(nbytes)  # reused: first-touch page faults would inflate the baseline
         t0 = time.perf_counter()
         self.group.broadcast(buf, 0, what="probe receive")
         return time.perf_counter() - t0

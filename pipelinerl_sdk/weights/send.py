@@ -36,7 +36,9 @@ class WeightSender:
     :meth:`finish`. Any error leaves the group broken for the receivers' timeout to notice;
     the sender itself never retries."""
 
-    def __init__(self, group: WeightSyncGroup, plan: BucketPlan) -> None:
+    def __init__(self, group: WeightSyncGroup, plan: BucketPlan, buffers: list[torch.Tensor] | None = None) -> None:
+        """``buffers``: two uint8 tensors of at least ``plan.max_bucket_bytes`` on the group's
+        device to reuse (fresh pages cost a first-touch fault on every update); allocated if None."""
         if group.rank != 0:
             raise PipelineRLError("only rank 0 of the weight-update group sends")
         self._group = group
@@ -44,7 +46,10 @@ class WeightSender:
         self._order = [(b.index, e) for b in plan.buckets for e in b.entries]
         self._next = 0
         size = plan.max_bucket_bytes
-        self._buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        if buffers is None or len(buffers) != 2 or any(b.numel() < size for b in buffers):
+            buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        self.buffers = buffers
+        self._buffers = buffers
         self._pending: list[dist.Work | None] = [None, None]
         self._started = time.perf_counter()
         self._sent = 0
@@ -94,7 +99,7 @@ class WeightSender:
 def broadcast_flat(group: WeightSyncGroup, nbytes: int) -> float:
     """Rank 0: one broadcast of a single flat buffer of ``nbytes``; returns its seconds (the
     baseline an update is compared with)."""
-    buf = torch.ones(nbytes, dtype=torch.uint8, device=group.device)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=group.device)  # written: pages are resident
     t0 = time.perf_counter()
     group.broadcast(buf, 0, what="probe broadcast")
     return time.perf_counter() - t0

@@ -1,0 +1,373 @@
+"""``pipelinerl bench weight-update``: what an in-flight weight update costs, in one run.
+
+Setup: one inference server child process (``ServerProcess``) and, in this process, the reference
+trainer (world size 1, fp32) as rank 0 of a gloo weight-update group with it. One server serves
+both receive modes: each update names its mode (``WeightPublisher.mode``). Baselines, measured
+once:
+
+- ``memcpy_s``: one in-process ``dst.copy_(src)`` of a flat buffer of all param bytes (median of
+  5 after a warm-up, with the server's torch thread count): the floor for a pause;
+- ``flat_broadcast_s``: one flat broadcast of all param bytes through the same group
+  (``publisher.probe``; send seconds, median of 3 after a warm-up): the floor for an update.
+
+Then, per receive mode (``staged``, ``direct``): one warm-up update, ``updates`` timed updates
+on an idle server (``update_wall_s`` = ``publisher.last.wall_s``, ``pause_s`` = the server's
+reported pause; medians), then a chat load (``concurrency`` workers, ``max_tokens`` 32,
+temperature 1.0, ``ignore_eos``; see :mod:`pipelinerl_sdk.bench.load`) measured over two
+back-to-back windows of ``seconds``: without updates, then with one update published every
+second. Tokens count only requests that finish inside a window. ``under_load`` holds the figures
+of the updates published during the second window. Updates resend the trainer's unchanged weights
+(the transfer and apply are the same work); versions increase strictly across the whole run.
+
+Threads: 2 cores are shared by the server's engine, its receiver, the trainer's sender and the
+load generator. By default this process runs with ``torch.set_num_threads(1)`` and the reference
+server with ``--option threads=1``, so the two sides do not oversubscribe the cores, and
+``memcpy_s`` is measured with the server's thread count, so it is the same kind of copy as the
+server's apply. On the 2-core development machine, torch's default (2 threads each side) made
+the flat memcpy faster but not the apply (99 separate copies) and lowered tokens/s while
+updating, i.e. it only made the ratios worse through oversubscription. ``server_threads=None`` /
+``torch_threads=None`` keep torch's defaults.
+
+Noise: the windows are short and the machine may be shared; CPU work of other processes moves
+tokens/s by several percent between windows. Each window therefore reports
+``foreign_cpu_frac_*`` (share of all cores used by processes other than this benchmark and its
+server); trust a ratio only when both are near 0. A ratio slightly above 1.0 means "no
+measurable loss", not a gain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelinerl_sdk.bench.load import SUPPORTS_IGNORE_EOS, ChatLoad
+from pipelinerl_sdk.contracts import TrainerSpec
+from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.protocol import ParamSpec, ReceiveMode
+from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.publisher import PublishResult, WeightPublisher
+
+__all__ = ["MODES", "TARGETS", "run_weight_update_bench"]
+
+MODES: tuple[ReceiveMode, ...] = ("staged", "direct")
+
+#: Bounds each mode should meet: ratios at most (pause, update) or at least (tokens/s) these.
+TARGETS: dict[str, float] = {
+    "pause_over_memcpy": 1.5,
+    "update_over_flat_broadcast": 1.25,
+    "tokens_per_s_ratio_updating": 0.95,
+}
+#: The modes each target applies to (``direct`` pauses for the whole receive by design).
+TARGET_MODES: dict[str, tuple[ReceiveMode, ...]] = {
+    "pause_over_memcpy": ("staged",),
+    "update_over_flat_broadcast": MODES,
+    "tokens_per_s_ratio_updating": MODES,
+}
+
+UPDATE_INTERVAL_S = 1.0
+MAX_TOKENS = 32
+TEMPERATURE = 1.0
+#: Load runs this long after its phase requests before the first window (steady state).
+RAMP_S = 1.0
+
+
+def run_weight_update_bench(
+    *,
+    backend: str = "reference",
+    model: str | os.PathLike[str] | None = None,
+    seconds: float = 8.0,
+    updates: int = 5,
+    concurrency: int = 16,
+    bucket_mb: int = 64,
+    torch_threads: int | None = 1,
+    server_threads: int | None = 1,
+) -> dict[str, Any]:
+    """Run the benchmark (see the module doc) and return its figures as a JSON-ready dict.
+
+    ``model``: an HF model directory; None builds the ``bench`` preset (~100 MB fp32) into a
+    temporary directory, removed afterwards."""
+    if seconds <= 0 or updates < 1 or concurrency < 1 or bucket_mb < 1:
+        raise ValueError("seconds must be > 0; updates, concurrency and bucket_mb >= 1")
+    started = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-") as tmp:
+        if model is None:
+            from pipelinerl_sdk.reference.tiny import build_tiny_model
+
+            path = build_tiny_model(Path(tmp, "model"), preset="bench")
+            model_label = "bench preset (built)"
+        else:
+            path = Path(model)
+            model_label = str(path)
+        if backend != "reference":
+            server_threads = None  # the thread option is the reference server's
+        options: dict[str, object] = {} if server_threads is None else {"threads": server_threads}
+        try:
+            if torch_threads is not None:
+                torch.set_num_threads(torch_threads)
+            memcpy_threads = server_threads if server_threads is not None else previous_threads
+            with ServerProcess(backend, path, options=options) as server:
+                result = asyncio.run(
+                    _bench(
+                        server,
+                        path,
+                        seconds=seconds,
+                        updates=updates,
+                        concurrency=concurrency,
+                        bucket_mb=bucket_mb,
+                        memcpy_threads=memcpy_threads,
+                    )
+                )
+        finally:
+            torch.set_num_threads(previous_threads)
+    result["config"].update(
+        backend=backend,
+        model=model_label,
+        torch_threads=torch_threads if torch_threads is not None else previous_threads,
+        server_threads=server_threads,
+        cpu_count=os.cpu_count(),
+        torch=torch.__version__,
+        wall_s=time.perf_counter() - started,
+    )
+    return result
+
+
+async def _bench(
+    server: ServerProcess,
+    path: Path,
+    *,
+    seconds: float,
+    updates: int,
+    concurrency: int,
+    bucket_mb: int,
+    memcpy_threads: int,
+) -> dict[str, Any]:
+    bucket_bytes = bucket_mb << 20
+    client = InferenceClient(server.url, control_token=server.control_token)
+    publisher = WeightPublisher([client], bucket_bytes=bucket_bytes)
+    trainer = ReferenceTrainer()
+    try:
+        await asyncio.to_thread(trainer.init, TrainerSpec(model=str(path), dtype="float32"))
+        specs = trainer.param_specs()
+        plan = BucketPlan.build(specs, bucket_bytes)
+        model_bytes = sum(s.nbytes for s in specs)
+        info = await client.info()
+        await publisher.connect()
+
+        memcpy_s = _memcpy_seconds(model_bytes, memcpy_threads)  # nothing else runs yet: block the loop
+        await publisher.probe(model_bytes)  # warm-up
+        probes = [await publisher.probe(model_bytes) for _ in range(3)]
+        flat_broadcast_s = statistics.median(send for send, _ in probes)
+        flat_receive_s = statistics.median(max(by_url.values()) for _, by_url in probes)
+
+        versions = itertools.count(info.version + 1)
+        modes: dict[str, Any] = {}
+        for mode in MODES:
+            if mode not in info.receive_modes:
+                modes[mode] = {"skipped": f"server supports only {info.receive_modes}"}
+                continue
+            publisher.mode = mode
+            modes[mode] = await _bench_mode(
+                client,
+                publisher,
+                trainer,
+                specs,
+                versions,
+                updates=updates,
+                seconds=seconds,
+                concurrency=concurrency,
+                memcpy_s=memcpy_s,
+                flat_broadcast_s=flat_broadcast_s,
+                cpu=_CpuMeter([server.pid]),
+            )
+            modes[mode]["meets_targets"] = _meets(mode, modes[mode])
+        return {
+            "model_bytes": model_bytes,
+            "memcpy_s": memcpy_s,
+            "flat_broadcast_s": flat_broadcast_s,
+            "flat_broadcast_receive_s": flat_receive_s,
+            "flat_broadcast_s_samples": [send for send, _ in probes],
+            "modes": modes,
+            "targets": {**TARGETS, "applies_to": {k: list(v) for k, v in TARGET_MODES.items()}},
+            "config": {
+                "seconds": seconds,
+                "updates": updates,
+                "concurrency": concurrency,
+                "bucket_mb": bucket_mb,
+                "bucket_bytes": bucket_bytes,
+                "buckets": len(plan.buckets),
+                "params": len(specs),
+                "max_tokens": MAX_TOKENS,
+                "temperature": TEMPERATURE,
+                "ignore_eos": SUPPORTS_IGNORE_EOS,
+                "update_interval_s": UPDATE_INTERVAL_S,
+                "ramp_s": RAMP_S,
+                "memcpy_threads": memcpy_threads,
+            },
+        }
+    finally:
+        await publisher.close()
+        await client.aclose()
+        trainer.close()
+
+
+def _memcpy_seconds(nbytes: int, threads: int, repeats: int = 5) -> float:
+    """Median seconds of one ``dst.copy_(src)`` of ``nbytes`` with ``threads`` torch threads
+    (both buffers touched by a warm-up copy first)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(previous)
+
+
+async def _publish(
+    publisher: WeightPublisher, trainer: ReferenceTrainer, specs: Sequence[ParamSpec], version: int
+) -> PublishResult:
+    async with publisher.update(version, specs) as sink:
+        await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+    last = publisher.last
+    assert last is not None and last.version == version
+    return last
+
+
+def _pause_s(result: PublishResult) -> float:
+    """The fleet's pause: the longest any server held generation."""
+    return max(e.timings["pause_s"] for e in result.events.values())
+
+
+def _summary(results: Sequence[PublishResult]) -> dict[str, Any]:
+    if not results:
+        return {"count": 0}
+    walls = [r.wall_s for r in results]
+    pauses = [_pause_s(r) for r in results]
+    return {
+        "count": len(results),
+        "update_wall_s": statistics.median(walls),
+        "pause_s": statistics.median(pauses),
+        "receive_s": statistics.median(max(e.timings["receive_s"] for e in r.events.values()) for r in results),
+        "apply_s": statistics.median(max(e.timings["apply_s"] for e in r.events.values()) for r in results),
+        "send_s": statistics.median(r.send.seconds for r in results),
+        "update_wall_s_max": max(walls),
+        "pause_s_max": max(pauses),
+    }
+
+
+async def _bench_mode(
+    client: InferenceClient,
+    publisher: WeightPublisher,
+    trainer: ReferenceTrainer,
+    specs: Sequence[ParamSpec],
+    versions: itertools.count[int],
+    *,
+    updates: int,
+    seconds: float,
+    concurrency: int,
+    memcpy_s: float,
+    flat_broadcast_s: float,
+    cpu: _CpuMeter,
+) -> dict[str, Any]:
+    await _publish(publisher, trainer, specs, next(versions))  # warm-up
+    idle = _summary([await _publish(publisher, trainer, specs, next(versions)) for _ in range(updates)])
+
+    loop = asyncio.get_running_loop()
+    under_load: list[PublishResult] = []
+    async with ChatLoad(client, concurrency=concurrency, max_tokens=MAX_TOKENS, temperature=TEMPERATURE) as load:
+        await load.wait_phased()
+        await asyncio.sleep(RAMP_S)
+        t0 = loop.time()
+        c0 = cpu.sample()
+        await asyncio.sleep(seconds)
+        t1 = loop.time()
+        c1 = cpu.sample()
+        tick = 0
+        while (due := t1 + tick * UPDATE_INTERVAL_S) < t1 + seconds:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            under_load.append(await _publish(publisher, trainer, specs, next(versions)))
+            # An update that overran its second skips the ticks it missed.
+            tick = max(tick + 1, int((loop.time() - t1) // UPDATE_INTERVAL_S) + 1)
+        t2 = t1 + seconds
+        await asyncio.sleep(max(0.0, t2 - loop.time()))
+        c2 = cpu.sample()
+        baseline, updating = load.window(t0, t1), load.window(t1, t2)
+        errors = load.errors
+    ratio = updating.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s > 0 else float("nan")
+    return {
+        **idle,
+        "pause_over_memcpy": idle["pause_s"] / memcpy_s,
+        "update_over_flat_broadcast": idle["update_wall_s"] / flat_broadcast_s,
+        "tokens_per_s_ratio_updating": ratio,
+        "tokens_per_s_no_updates": baseline.tokens_per_s,
+        "tokens_per_s_updating": updating.tokens_per_s,
+        "requests_no_updates": baseline.requests,
+        "requests_updating": updating.requests,
+        "updates_in_updating_window": len(under_load),
+        "under_load": _summary(under_load),
+        "foreign_cpu_frac_no_updates": _CpuMeter.foreign_frac(c0, c1),
+        "foreign_cpu_frac_updating": _CpuMeter.foreign_frac(c1, c2),
+        "load_errors": len(errors),
+        **({"load_error_sample": errors[0]} if errors else {}),
+    }
+
+
+class _CpuMeter:
+    """Machine-wide busy CPU seconds vs. those of this benchmark's processes (Linux ``/proc``).
+    The difference is foreign load; on a small shared machine it, not the update, can move a
+    throughput window by several percent, so each window reports it."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def sample(self) -> tuple[float, float, float] | None:
+        """(monotonic time, machine busy CPU s, our CPU s), or None where /proc is unreadable."""
+        try:
+            with open("/proc/stat") as f:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+            ours = time.process_time()
+            for pid in self.pids:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ours += (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = (user + nice + system + irq + softirq + steal) / self.tick
+        return time.monotonic(), busy, ours
+
+    @staticmethod
+    def foreign_frac(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> float | None:
+        """Share of all cores' time between two samples spent by other processes (None if unknown)."""
+        if a is None or b is None or b[0] <= a[0]:
+            return None
+        foreign = (b[1] - a[1]) - (b[2] - a[2])
+        return max(0.0, foreign) / ((b[0] - a[0]) * (os.cpu_count() or 1))
+
+
+def _meets(mode: ReceiveMode, figures: dict[str, Any]) -> dict[str, bool]:
+    checks = {
+        "pause_over_memcpy": figures["pause_over_memcpy"] <= TARGETS["pause_over_memcpy"],
+        "update_over_flat_broadcast": figures["update_over_flat_broadcast"] <= TARGETS["update_over_flat_broadcast"],
+        "tokens_per_s_ratio_updating": figures["tokens_per_s_ratio_updating"] >= TARGETS["tokens_per_s_ratio_updating"],
+    }
+    met = {k: bool(v) for k, v in checks.items() if mode in TARGET_MODES[k]}
+    return {**met, "all": all(met.values())}
