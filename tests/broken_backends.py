@@ -277,13 +277,12 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-half-applies": ("HalfApplies", DIRECT_ONLY),
     "broken-accepts-unknown-names": ("AcceptsUnknownNames", INFERENCE),
     "broken-stale-versions": ("StaleVersions", INFERENCE),
-}
-
-#: Broken backends no standard check catches yet.
-GAP_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-temperature-logprobs": ("TemperatureLogprobs", INFERENCE),
     "broken-not-atomic-on-abort": ("NotAtomicOnAbort", INFERENCE),
 }
+
+#: Broken backends no standard check catches yet.
+GAP_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {}
 
 
 @hookimpl

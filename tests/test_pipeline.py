@@ -111,3 +111,14 @@ def test_lag_bound_holds_under_a_slow_trainer(tmp_path: Path) -> None:
     # the trainer is the bottleneck: actors were held back, and the bound was actually reached
     assert rows[-1]["admission_wait_s"] > 0.5
     assert max(lag for r in rows for lag in r["lags"]) == 1
+
+
+@pytest.mark.integration
+def test_a_short_real_run_learns(tmp_path: Path) -> None:
+    """The main job, shortened: reward rises from chance (~0.1) to 0.5 (the full run goes to 0.9)."""
+    summary, rows = _run(tmp_path, "reward_target=0.5", "max_seconds=420")
+    assert summary["reached_target"], summary
+    assert rows[0]["reward"] < 0.3 and rows[-1]["reward_moving"] >= 0.5
+    assert all(lag <= 2 for r in rows for lag in r["lags"])
+    for png in ("reward.png", "lag.png", "pause.png"):
+        assert (tmp_path / "run" / png).stat().st_size > 1000

@@ -463,7 +463,8 @@ class InferenceContractTests:
                     await asyncio.wait_for(call.final, 30)
                 assert time.monotonic() - t0 < 10, "the abort must not wait for a timeout"
                 after = await client.info()
-                assert after.version == info.version and not after.updating
+                assert after.version == info.version, f"a called-off update moved the version to {after.version}"
+                assert not after.updating
                 assert after.group is not None and not after.group.broken
                 resp = await greedy(client, prompt_logprobs=False)
                 assert resp.choices[0].token_ids == before.choices[0].token_ids

@@ -18,7 +18,7 @@ class PipelineConfig(BaseModel):
     #: ``pipeline`` overlaps generation and training (lag bounded by ``max_lag``);
     #: ``conventional`` generates a batch with fixed weights, trains, updates, repeats.
     mode: Literal["pipeline", "conventional"] = "pipeline"
-    task: str = "digit-sum"
+    task: str = "digit-successor"
     #: HF model dir; empty = the task's built-in base model, built into ``out_dir/base-model``.
     model: str = ""
     inference_backend: str = "reference"
@@ -34,7 +34,7 @@ class PipelineConfig(BaseModel):
     group_backend: Literal["gloo", "nccl"] = "gloo"
     receive_mode: Literal["staged", "direct"] | None = None
 
-    group_size: Annotated[int, Field(ge=2, le=128)] = 8
+    group_size: Annotated[int, Field(ge=2, le=128)] = 16
     groups_per_step: Annotated[int, Field(ge=1)] = 8
     micro_batch_groups: Annotated[int, Field(ge=1)] = 8
     #: In optimizer steps: no sample trained at step k comes from weights older than k - max_lag.
@@ -44,12 +44,12 @@ class PipelineConfig(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] = 8
     temperature: Annotated[float, Field(gt=0)] = 1.0
 
-    lr: Annotated[float, Field(gt=0)] = 2e-3
+    lr: Annotated[float, Field(gt=0)] = 1e-4
     grad_clip: float | None = 1.0
-    normalize_std: bool = False
+    normalize_std: bool = True
     kl_coef: Annotated[float, Field(ge=0)] = 0.0
 
-    max_steps: Annotated[int, Field(ge=1)] = 400
+    max_steps: Annotated[int, Field(ge=1)] = 2000
     max_seconds: Annotated[float, Field(gt=0)] = 600.0
     #: Stop once the moving mean reward (over ``target_window`` steps) reaches this.
     reward_target: float | None = 0.9
