@@ -53,7 +53,7 @@ class PipelineConfig(BaseModel):
     max_seconds: Annotated[float, Field(gt=0)] = 600.0
     #: Stop once the moving mean reward (over ``target_window`` steps) reaches this.
     reward_target: float | None = 0.9
-    target_window: Annotated[int, Field(ge=1)] = 5
+    target_window: Annotated[int, Field(ge=1)] = 20
     seed: int = 0
     out_dir: str = "runs/pipeline"
     progress: bool = True
