@@ -122,3 +122,28 @@ def test_a_short_real_run_learns(tmp_path: Path) -> None:
     assert all(lag <= 2 for r in rows for lag in r["lags"])
     for png in ("reward.png", "lag.png", "pause.png"):
         assert (tmp_path / "run" / png).stat().st_size > 1000
+
+
+def test_shards_split_sequences_evenly_and_keep_fields() -> None:
+    from pipelinerl_sdk.contracts import TokenBatch
+    from pipelinerl_sdk.pipeline.ranks import shard
+
+    batch = TokenBatch(
+        input_ids=[[1, 2, 3]] * 5,
+        completion_start=[1, 2, 1, 2, 1],
+        advantages=[0.1, 0.2, 0.3, 0.4, 0.5],
+        behaviour_logprobs=[[-1.0, -1.0], [-1.0], [-1.0, -1.0], [-1.0], [-1.0, -1.0]],
+    )
+    parts = shard(batch, 2)
+    assert [len(p) for p in parts] == [2, 3]
+    assert [a for p in parts for a in p.advantages] == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert [c for p in parts for c in p.completion_start] == [1, 2, 1, 2, 1]
+    with pytest.raises(ValueError, match="cannot feed 6"):
+        shard(batch, 6)
+
+
+@pytest.mark.integration
+def test_two_trainer_ranks_by_spawn(tmp_path: Path) -> None:
+    summary, rows = _run(tmp_path, "trainer_world_size=2", "max_steps=3", "reward_target=null", "plots=false")
+    assert summary["steps"] == 3 and len(rows) == 3
+    assert all(r["grad_norm"] > 0 for r in rows)

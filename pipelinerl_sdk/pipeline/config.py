@@ -29,6 +29,8 @@ class PipelineConfig(BaseModel):
     server_options: dict[str, str] = Field(default_factory=lambda: {"threads": "1", "max_batch_size": "64"})
     trainer_backend: str = "reference"
     trainer_threads: Annotated[int, Field(ge=1)] = 1
+    #: Trainer ranks started by spawn (under ``torchrun`` the launcher's world size is used).
+    trainer_world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     #: Where trainer rank 0 hosts the weight-update group (an address the servers reach).
     group_host: str = "127.0.0.1"
     group_backend: Literal["gloo", "nccl"] = "gloo"

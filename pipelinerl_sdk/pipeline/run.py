@@ -89,10 +89,16 @@ class Run:
         )
 
     def make_trainer(self, model: Path) -> TrainerBackend:
+        """The trainer backend; with several ranks, rank 0's leader that mirrors every call."""
         import torch
+        import torch.distributed as dist
+
+        from pipelinerl_sdk.pipeline.ranks import LeaderTrainer
 
         torch.set_num_threads(self.config.trainer_threads)
         trainer: TrainerBackend = load_registry().factory("trainer", self.config.trainer_backend)()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            trainer = LeaderTrainer(trainer)
         trainer.init(
             TrainerSpec(model=str(model), lr=self.config.lr, grad_clip=self.config.grad_clip, seed=self.config.seed)
         )
@@ -103,6 +109,7 @@ class Run:
         model = self.base_model()
         trainer = self.make_trainer(model)
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(trainer.close)
             clients = await self._servers(stack, model)
             publisher = WeightPublisher(clients, mode=cfg.receive_mode)
             await publisher.connect(host=cfg.group_host, backend=cfg.group_backend)
@@ -263,4 +270,39 @@ def _progress(cfg: PipelineConfig) -> Any:
 
 
 def run_pipeline(config: PipelineConfig) -> RunSummary:
+    """One run. Trainer ranks: under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) this
+    process is one of them; else ``trainer_world_size`` > 1 spawns them. Rank 0 returns the
+    summary; the other ranks follow rank 0's trainer calls."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from pipelinerl_sdk.trainer_group import init_from_env
+
+        ctx = init_from_env()
+        if ctx.rank != 0:
+            _follower(config)
+            raise SystemExit(0)
+        return asyncio.run(Run(config).run())
+    if config.trainer_world_size > 1:
+        from pipelinerl_sdk.trainer_group import run_ranks
+
+        results = run_ranks(config.trainer_world_size, _spawned_rank, config.model_dump_json(), timeout_s=24 * 3600)
+        return RunSummary(**json.loads(results[0]))
     return asyncio.run(Run(config).run())
+
+
+def _follower(config: PipelineConfig) -> int:
+    import torch
+
+    from pipelinerl_sdk.pipeline.ranks import follow
+
+    torch.set_num_threads(config.trainer_threads)
+    return follow(load_registry().factory("trainer", config.trainer_backend)())
+
+
+def _spawned_rank(ctx: Any, config_json: str) -> str:
+    """One spawned trainer rank (module level: pickled by spawn)."""
+    config = PipelineConfig.model_validate_json(config_json)
+    if ctx.rank == 0:
+        return json.dumps(_asdict(asyncio.run(Run(config).run())))
+    return json.dumps({"steps": _follower(config)})

@@ -106,7 +106,7 @@ def build_base_model(path: Path, task: DigitSum, *, steps: int = 60, seed: int =
     raw = build_tiny_model(path.with_name(path.name + "-init"), preset="tiny", seed=seed)
     _, tokenizer = load_model(raw)
     trainer = ReferenceTrainer()
-    trainer.init(TrainerSpec(model=str(raw), lr=lr, grad_clip=1.0, seed=seed))
+    trainer.init(TrainerSpec(model=str(raw), lr=lr, grad_clip=1.0, seed=seed, options={"local": True}))
     rng = random.Random(seed)
 
     def nll(logprobs: Sequence[torch.Tensor], batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:

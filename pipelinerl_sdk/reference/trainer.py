@@ -66,6 +66,10 @@ class ReferenceTrainer(TrainerBackend):
 
     @property
     def world_size(self) -> int:
+        """Ranks whose gradients ``step`` sums: the default group's, or 1 with the option
+        ``local=True`` (a trainer used inside one rank only, e.g. to prepare a model)."""
+        if self._spec is not None and self._spec.options.get("local"):
+            return 1
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def init(self, spec: TrainerSpec) -> None:

@@ -151,6 +151,7 @@ class WeightPublisher:
             timeout_s=self.timeout_s,
         )
         key = update_key(version)
+        group.clear_decision(key)  # a stale decision for this version (an earlier, failed try) must not be read
         calls = [c.request_weight_update(req) for c in self.clients]
         accepted = await asyncio.gather(*(c.accepted for c in calls), return_exceptions=True)
         refused = [r for r in accepted if isinstance(r, BaseException)]
