@@ -1,0 +1,244 @@
+"""The SDK's weight-sync protocol as a vLLM 0.32 weight-transfer engine (worker side).
+
+vLLM creates one instance in every worker (registered as ``pipelinerl`` by
+:mod:`pipelinerl_sdk_vllm.vllm_plugin`, selected with ``--weight-transfer-config
+'{"backend": "pipelinerl"}'``). The API server drives it through vLLM's own four phases:
+
+- ``init_weight_transfer_engine``: join the SDK's :class:`WeightSyncGroup` (gloo on CPU, NCCL on
+  GPU) as rank ``rank_offset + worker rank``;
+- ``start_weight_update``: nothing to prepare (the model is untouched until the apply);
+- ``update_weights({"op": "receive", ...})``: *arm* the receive and return at once. A background
+  thread waits for the trainer's ``go`` in the group's store, then receives every bucket into a
+  staging buffer. vLLM runs ``update_weights`` on the engine core's only RPC thread, between
+  scheduler steps; a receive on that thread would stop generation for the whole broadcast, so it
+  never blocks there;
+- ``finish_weight_update``: if the staged update arrived complete, apply it in one go through vLLM's
+  layerwise reload (``initialize_layerwise_reload`` / ``model.load_weights`` /
+  ``finalize_layerwise_reload``: on CPU the linear weights are repacked for oneDNN, so writing
+  parameters in place would not reach the kernels). If the receive failed, nothing is applied: the
+  model never saw a byte of it, so the old weights keep serving.
+
+The API server learns how the receive went with :func:`PipelineRLWorkerExtension.pipelinerl_status`
+(a worker extension method reached by ``collective_rpc``): it polls that, pauses generation (mode
+``keep``) only once every worker holds the whole update, and calls ``finish``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from pipelinerl_sdk.errors import UpdateAborted
+from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver, update_key
+
+logger = init_logger(__name__)
+
+BACKEND_NAME = "pipelinerl"
+
+
+@dataclass
+class PipelineRLInitInfo(WeightTransferInitInfo):
+    init_method: str
+    rank_offset: int
+    world_size: int
+    backend: str = "gloo"
+    group_name: str = "pipelinerl-weights"
+    timeout_s: float = 120.0
+
+
+@dataclass
+class PipelineRLUpdateInfo(WeightTransferUpdateInfo):
+    """``op``: ``receive`` (arm the staged receive of ``version``), ``probe`` (receive one flat
+    broadcast of ``nbytes`` and discard it) or ``discard`` (drop a staged update)."""
+
+    op: str
+    version: int = 0
+    params: list[list[Any]] = field(default_factory=list)
+    bucket_bytes: int = 0
+    timeout_s: float = 120.0
+    nbytes: int = 0
+    probe_id: int = 0
+
+
+@dataclass
+class _Job:
+    """One background receive (an update or a probe)."""
+
+    kind: str
+    key: str
+    thread: threading.Thread | None = None
+    state: str = "receiving"  # receiving | received | failed
+    error: str | None = None
+    aborted: bool = False
+    staged: StagedWeights | None = None
+    receive_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, PipelineRLUpdateInfo]):
+    init_info_cls = PipelineRLInitInfo
+    update_info_cls = PipelineRLUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: WeightSyncGroup | None = None
+        self.receiver: WeightReceiver | None = None
+        self.job: _Job | None = None
+        self.last_apply_s = 0.0
+        self._lock = threading.Lock()
+
+    # --- phase 1: the group -----------------------------------------------------------------------
+
+    def worker_rank(self) -> int:
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: PipelineRLInitInfo) -> None:
+        self._wait_idle()
+        if self.group is not None:
+            self.group.close()
+        self.group, self.receiver, self.job = None, None, None
+        cfg = GroupConfig(
+            init_info.init_method,
+            init_info.rank_offset + self.worker_rank(),
+            init_info.world_size,
+            init_info.backend,  # type: ignore[arg-type]
+            init_info.group_name,
+            init_info.timeout_s,
+        )
+        self.group = WeightSyncGroup(cfg)  # blocks until every rank joined (bounded by timeout_s)
+        self.receiver = WeightReceiver(self.group)
+        logger.info("pipelinerl: joined %s as rank %d/%d", cfg.group_name, cfg.rank, cfg.world_size)
+
+    # --- phases 2-4 -------------------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the model is untouched until :meth:`finish_weight_update`."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize() here, which raises on CPU; the
+        # receive happens on a background thread and synchronizes there.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: PipelineRLUpdateInfo) -> None:
+        op = update_info.op
+        if op == "discard":
+            self._wait_idle()
+            self.job = None
+            return
+        if self.receiver is None:
+            raise RuntimeError("pipelinerl weight transfer: no group; call init_weight_transfer_engine first")
+        if self.job is not None and self.job.state == "receiving":
+            raise RuntimeError(f"pipelinerl weight transfer: a receive is running ({self.job.key})")
+        receiver = self.receiver
+        if op == "receive":
+            specs = [ParamSpec(name=n, dtype=d, shape=tuple(s)) for n, d, s in update_info.params]
+            plan = BucketPlan.build(specs, update_info.bucket_bytes)
+            job = _Job("update", update_key(update_info.version))
+
+            def work() -> None:
+                staged = receiver.receive(plan, job.key, decision_timeout_s=update_info.timeout_s)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                job.staged, job.receive_s = staged, staged.receive_s
+
+        elif op == "probe":
+            job = _Job("probe", f"probe/{update_info.probe_id}")
+
+            def work() -> None:
+                job.receive_s = receiver.receive_flat(
+                    update_info.nbytes, job.key, decision_timeout_s=update_info.timeout_s
+                )
+
+        else:
+            raise ValueError(f"pipelinerl weight transfer: unknown op {op!r}")
+
+        def run() -> None:
+            try:
+                work()
+                job.state = "received"
+            except UpdateAborted as e:
+                job.error, job.aborted, job.state = str(e), True, "failed"
+            except BaseException as e:
+                job.error, job.state = f"{type(e).__name__}: {e}", "failed"
+
+        job.thread = threading.Thread(target=run, name=f"pipelinerl-receive-{job.key}", daemon=True)
+        self.job = job
+        job.thread.start()
+
+    def finish_weight_update(self) -> None:
+        """Apply the staged update if it arrived complete; otherwise change nothing.
+
+        Never raises for a failed receive: vLLM's worker keeps its update session open when
+        ``finish`` raises, and the API server already knows the outcome from the status."""
+        job = self.job
+        if job is None or job.kind != "update" or job.state != "received" or job.staged is None:
+            self.job = None
+            return
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        t0 = time.perf_counter()
+        staged, job.staged, self.job = job.staged, None, None  # applied at most once, even on error
+        with torch.no_grad():
+            initialize_layerwise_reload(self.model)
+            self.model.load_weights(staged.tensors())  # type: ignore[operator]
+            finalize_layerwise_reload(self.model, self.model_config)
+        self.last_apply_s = time.perf_counter() - t0
+
+    # --- status and shutdown ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        job, group = self.job, self.group
+        return {
+            "rank": None if group is None else group.rank,
+            "group_broken": None if group is None else group.broken,
+            "job": None
+            if job is None
+            else {
+                "kind": job.kind,
+                "key": job.key,
+                "state": job.state,
+                "error": job.error,
+                "aborted": job.aborted,
+                "receive_s": job.receive_s,
+            },
+            "last_apply_s": self.last_apply_s,
+        }
+
+    def _wait_idle(self, timeout_s: float = 5.0) -> None:
+        job = self.job
+        if job is not None and job.thread is not None and job.thread.is_alive():
+            job.thread.join(timeout_s)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.receiver, self.job = None, None, None
+
+
+class PipelineRLWorkerExtension:
+    """Mixed into vLLM's worker (``--worker-extension-cls``): lets the API server read the
+    engine's receive status with ``collective_rpc("pipelinerl_status")`` without blocking."""
+
+    def pipelinerl_status(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, PipelineRLWeightTransferEngine):
+            return {"error": "the pipelinerl weight-transfer engine is not configured"}
+        return engine.status()

