@@ -212,8 +212,7 @@ class StaleVersions(ReferenceInferenceBackend):
     with the version of the forward that produced it: tokens generated after an in-flight update
     keep the old version.
 
-    Caught by ``test_requests_in_flight_survive_updates``: "no request saw the new weights while
-    in flight"."""
+    Caught by ``test_requests_in_flight_survive_updates``: "carried no token of the new version"."""
 
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         at_start = self.version

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -157,7 +158,8 @@ def test_same_code_runs_under_torchrun(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = sorted(
-        (json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line),
+        # the two ranks share one stdout pipe: their lines may run together, so match each record
+        (json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", proc.stdout)),
         key=lambda r: r["rank"],
     )
     assert results == [
