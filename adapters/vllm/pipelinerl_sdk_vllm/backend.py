@@ -397,8 +397,9 @@ class VLLMInferenceBackend(InferenceBackend):
         versions: list[int] = []
         for span in c.weight_versions or []:
             versions.extend([_version_label(span.version)] * (span.end - span.start))
-        if len(versions) != len(token_ids):  # no spans (should not happen on a final output)
-            versions = [self._version] * len(token_ids)
+        if len(versions) != len(token_ids):
+            # Never guess: a version the engine did not report would hide stale tokens.
+            raise RuntimeError(f"vLLM reported weight-version spans for {len(versions)} of {len(token_ids)} tokens")
         finish = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
         return ChatChoice(
             index=index,
