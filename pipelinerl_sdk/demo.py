@@ -22,15 +22,11 @@ from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import ChatCompletionResponse
 from pipelinerl_sdk.reference.tiny import build_tiny_model
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.rl.objectives import CompletionNLL
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
 QUESTION = [{"role": "user", "content": "12+7="}]
 ANSWER = "19"
-
-
-def _nll_objective(logprobs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    total = sum(lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True))
-    return -total / len(logprobs), {}
 
 
 async def _score(client: InferenceClient, messages: list[dict[str, str]]) -> ChatCompletionResponse:
@@ -74,7 +70,7 @@ async def _demo(steps: int, workdir: Path) -> int:
             print(f"target {ANSWER!r}: server logprob before training {start_lp:.4f}")
             for version in range(1, steps + 1):
                 batch = TokenBatch(input_ids=[ids], completion_start=[prompt_len])
-                trainer.backward(batch, _nll_objective)
+                trainer.backward(batch, CompletionNLL(len(batch)))
                 metrics = trainer.step()
                 in_flight = asyncio.create_task(
                     client.chat({"messages": QUESTION, "max_tokens": 1500, "ignore_eos": True, "temperature": 1.0})

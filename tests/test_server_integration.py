@@ -24,6 +24,7 @@ from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ServerInfo
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.rl.objectives import CompletionNLL
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
@@ -39,12 +40,6 @@ def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
     return asyncio.run(main())
 
 
-def sum_logprob_objective(logprobs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Raise the likelihood of the completion tokens (a real gradient, deterministic)."""
-    total = sum(lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True))
-    return -total / len(logprobs), {}
-
-
 @pytest.fixture(scope="module")
 def trainer(tiny_model: Path) -> Iterator[ReferenceTrainer]:
     t = ReferenceTrainer()
@@ -56,7 +51,7 @@ def trainer(tiny_model: Path) -> Iterator[ReferenceTrainer]:
 def train_step(trainer: ReferenceTrainer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 200, (2, 12), generator=g).tolist()
-    trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), sum_logprob_objective)
+    trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), CompletionNLL(2))
     trainer.step()
 
 

@@ -31,6 +31,7 @@ import torch
 
 from pipelinerl_sdk.conformance.targets import TrainerTarget
 from pipelinerl_sdk.contracts import StepMetrics, TokenBatch, TrainerBackend, TrainerSpec
+from pipelinerl_sdk.rl.objectives import CompletionNLL
 from pipelinerl_sdk.trainer_group import RankContext, run_ranks
 from pipelinerl_sdk.weights.tensors import as_bytes, dtype_name
 
@@ -73,23 +74,6 @@ class CollectingSink:
             raise AssertionError(f"gather_and_broadcast sent {name!r} twice")
         self.names.append(name)
         self.tensors[name] = tensor.detach().to("cpu", copy=True)
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionNLL:
-    """The fixed objective of the step checks: minus the summed completion logprobs, divided by
-    ``n_sequences`` (the *global* sequence count, so that summing it over micro-batches and ranks,
-    as the Objective contract says trainers do, gives the mean over the whole batch)."""
-
-    n_sequences: int
-
-    def __call__(self, logprobs: Sequence[torch.Tensor], batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        total = torch.zeros((), dtype=torch.float32)
-        tokens = 0
-        for lp, start in zip(logprobs, batch.completion_start, strict=True):
-            total = total + lp[start - 1 :].float().sum()
-            tokens += lp.numel() - (start - 1)
-        return -total / self.n_sequences, {"completion_tokens": float(tokens)}
 
 
 def fixed_batch(model_dir: Path, index: int) -> TokenBatch:

@@ -10,7 +10,6 @@ skill: its reward starts near 0.1 (chance) and RL has to find the answers.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -97,21 +96,17 @@ def build_base_model(path: Path, task: DigitSum, *, steps: int = 60, seed: int =
     reused when ``path/config.json`` exists."""
     if (path / "config.json").is_file():
         return path
-    import torch
 
     from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
     from pipelinerl_sdk.reference.tiny import build_tiny_model, load_model
     from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+    from pipelinerl_sdk.rl.objectives import CompletionNLL
 
     raw = build_tiny_model(path.with_name(path.name + "-init"), preset="tiny", seed=seed)
     _, tokenizer = load_model(raw)
     trainer = ReferenceTrainer()
     trainer.init(TrainerSpec(model=str(raw), lr=lr, grad_clip=1.0, seed=seed, options={"local": True}))
     rng = random.Random(seed)
-
-    def nll(logprobs: Sequence[torch.Tensor], batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        total = torch.stack([lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True)]).sum()
-        return -total / len(logprobs), {}
 
     for _ in range(steps):
         ids, starts = [], []
@@ -124,7 +119,7 @@ def build_base_model(path: Path, task: DigitSum, *, steps: int = 60, seed: int =
             )
             ids.append(list(full))
             starts.append(len(p))
-        trainer.backward(TokenBatch(input_ids=ids, completion_start=starts), nll)
+        trainer.backward(TokenBatch(input_ids=ids, completion_start=starts), CompletionNLL(len(ids)))
         trainer.step()
     state = trainer.state_dict_hf()
     model, _ = load_model(raw)

@@ -42,3 +42,17 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def from_bytes(raw: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
     """A typed, shaped view of the first ``spec.nbytes`` of ``raw`` (no copy)."""
     return raw[: spec.nbytes].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+
+
+#: Module-wrapper prefixes that trainers (FSDP, DeepSpeed, torch.compile, checkpointing) insert
+#: into parameter names; HF names have none.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def hf_name(name: str) -> str:
+    """``name`` without wrapper prefixes, wherever they occur (``module.a._orig_mod.b`` -> ``a.b``)."""
+    for prefix in WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+        name = name.replace("." + prefix, ".")
+    return name

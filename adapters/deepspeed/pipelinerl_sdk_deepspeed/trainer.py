@@ -47,7 +47,7 @@ from pipelinerl_sdk.contracts import (
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.reference.tiny import load_model
 from pipelinerl_sdk.reference.trainer import token_logprobs
-from pipelinerl_sdk.weights.tensors import dtype_name
+from pipelinerl_sdk.weights.tensors import dtype_name, hf_name
 from pipelinerl_sdk_deepspeed.capabilities import CAPABILITIES, ZERO1, ZERO2, ZERO3
 
 __all__ = [
@@ -60,17 +60,7 @@ __all__ = [
     "skip_shm_op_build",
 ]
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 _skipped_builds = 0
-
-
-def hf_name(name: str) -> str:
-    """``name`` without wrapper prefixes, wherever they occur (``module.a`` -> ``a``)."""
-    for prefix in _WRAPPER_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-        name = name.replace("." + prefix, ".")
-    return name
 
 
 def _no_shm_op() -> None:

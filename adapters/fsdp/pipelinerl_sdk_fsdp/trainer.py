@@ -47,22 +47,12 @@ from pipelinerl_sdk.contracts import (
 )
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.reference.trainer import token_logprobs
-from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, spec_of
+from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, hf_name, spec_of
 from pipelinerl_sdk_fsdp.capabilities import CAPABILITIES
 
 __all__ = ["FSDPTrainer", "hf_name"]
 
 #: Prefixes wrappers put in front of HF parameter names (FSDP1, activation checkpointing, compile, DDP).
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
-def hf_name(name: str) -> str:
-    """``name`` without wrapper prefixes, wherever they occur (``a._orig_mod.b`` -> ``a.b``)."""
-    for prefix in _WRAPPER_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-        name = name.replace("." + prefix, ".")
-    return name
 
 
 @contextlib.contextmanager
