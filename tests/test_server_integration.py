@@ -18,14 +18,14 @@ import httpx
 import pytest
 import torch
 
+from pipelinerl_sdk.conformance.inference import update_body
 from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
 from pipelinerl_sdk.errors import FanOutError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
-from pipelinerl_sdk.protocol import ChatCompletionResponse, ServerInfo
+from pipelinerl_sdk.protocol import ChatCompletionResponse
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
 from pipelinerl_sdk.rl.objectives import CompletionNLL
-from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
 pytestmark = pytest.mark.integration
@@ -147,21 +147,6 @@ def test_request_in_flight_across_update_keeps_running_and_switches_version(
     run(body)
 
 
-def _raw_update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any]:
-    params = [p.model_dump(mode="json") for p in info.params]
-    bucket_bytes = 64 << 10
-    body: dict[str, Any] = {"version": version, "params": params, "bucket_bytes": bucket_bytes}
-    body.update(changes)
-    from pipelinerl_sdk.protocol import ParamSpec
-
-    try:
-        specs = [ParamSpec.model_validate(p) for p in body["params"]]
-        body.setdefault("plan_digest", BucketPlan.build(specs, body["bucket_bytes"]).digest())
-    except Exception:
-        body.setdefault("plan_digest", "0" * 64)
-    return body
-
-
 def test_bad_updates_are_refused_before_receive_and_lose_nothing(server: Any) -> None:
     async def body() -> None:
         async with InferenceClient(server.url, control_token=server.control_token) as client:
@@ -175,15 +160,15 @@ def test_bad_updates_are_refused_before_receive_and_lose_nothing(server: Any) ->
             reshaped = [dict(params[0], shape=[params[0]["shape"][0] + 1, *params[0]["shape"][1:]]), *params[1:]]
             retyped = [dict(params[0], dtype="bfloat16"), *params[1:]]
             cases: list[tuple[dict[str, Any] | str, int, str]] = [
-                (_raw_update_body(info, v + 1, params=renamed), 422, "unknown param"),
-                (_raw_update_body(info, v + 1, params=reshaped), 422, "shape"),
-                (_raw_update_body(info, v + 1, params=retyped), 422, "dtype"),
-                (_raw_update_body(info, v + 1, params=params[1:]), 422, "missing"),
-                (_raw_update_body(info, v), 409, "version must increase"),
-                (_raw_update_body(info, max(v - 1, 0) or v), 409, "version"),
-                (_raw_update_body(info, v + 1, plan_digest="f" * 64), 400, "plan_digest"),
-                (_raw_update_body(info, v + 1, surprise=1), 422, "surprise"),
-                (_raw_update_body(info, v + 1, mode="teleport"), 422, "mode"),
+                (update_body(info, v + 1, params=renamed), 422, "unknown param"),
+                (update_body(info, v + 1, params=reshaped), 422, "shape"),
+                (update_body(info, v + 1, params=retyped), 422, "dtype"),
+                (update_body(info, v + 1, params=params[1:]), 422, "missing"),
+                (update_body(info, v), 409, "version must increase"),
+                (update_body(info, max(v - 1, 0) or v), 409, "version"),
+                (update_body(info, v + 1, plan_digest="f" * 64), 400, "plan_digest"),
+                (update_body(info, v + 1, surprise=1), 422, "surprise"),
+                (update_body(info, v + 1, mode="teleport"), 422, "mode"),
                 ("{not json", 422, ""),
             ]
             headers = {"Authorization": f"Bearer {server.control_token}"}
@@ -252,7 +237,7 @@ def test_concurrent_update_requests_are_refused_not_interleaved(server: Any, tra
                 pub.update(v + 1, trainer.param_specs()) as sink,
             ):
                 # the first update is accepted and receiving: a second one must be refused
-                r = await http.post("/request_weight_update", json=_raw_update_body(info, v + 2), headers=headers)
+                r = await http.post("/request_weight_update", json=update_body(info, v + 2), headers=headers)
                 assert r.status_code == 409 and "another control operation" in r.json()["error"]["message"]
                 assert (await client.info()).updating
                 await asyncio.to_thread(trainer.gather_and_broadcast, sink)
