@@ -152,6 +152,12 @@ class InferenceBackend(ABC):
         """The weight version every newly generated token is tagged with (0 = initial weights)."""
 
     @property
+    def max_model_len(self) -> int | None:
+        """Context length: a request whose prompt plus ``max_tokens`` exceeds it is refused (4xx).
+        ``None`` declares no limit."""
+        return None
+
+    @property
     @abstractmethod
     def receiving_workers(self) -> int:
         """How many ranks this server contributes to the weight-update group."""

@@ -160,6 +160,8 @@ class ServerInfo(WireModel):
     group: GroupState | None
     updating: bool
     params: list[ParamSpec]
+    #: Prompt plus ``max_tokens`` may not exceed this (``None``: no limit declared).
+    max_model_len: int | None = None
     #: The backend's declared capabilities (``InferenceCapabilities`` fields; sets as sorted lists).
     capabilities: dict[str, Any] = Field(default_factory=dict)
 

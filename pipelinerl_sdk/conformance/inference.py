@@ -153,6 +153,7 @@ class InferenceContractTests:
                 async with httpx.AsyncClient(base_url=server_under_test.url, timeout=30) as http:
                     models = (await http.get("/v1/models")).json()
                     assert models["data"][0]["id"] == info.model
+                    assert models["data"][0].get("max_model_len") == info.max_model_len
 
         arun(body)
 
@@ -226,17 +227,23 @@ class InferenceContractTests:
         arun(body)
 
     def test_malformed_chat_bodies_are_422(self, server_under_test: ServerUnderTest) -> None:
-        """Bad chat requests get 4xx with a message naming the problem, and the server keeps serving."""
+        """Bad chat requests get 4xx with a message naming the problem (a ``max_tokens`` past the
+        declared ``max_model_len`` included), and the server keeps serving."""
 
         async def body() -> None:
+            async with server_under_test.client() as client:
+                limit = (await client.info()).max_model_len
             async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
                 bad: dict[str, Any]
-                for bad in (
+                cases: list[dict[str, Any]] = [
                     {},
                     {"messages": []},
                     {"messages": PROMPT, "max_tokens": 0},
                     {"messages": PROMPT, "bogus": 1},
-                ):
+                ]
+                if limit is not None:
+                    cases.append({"messages": PROMPT, "max_tokens": limit})
+                for bad in cases:
                     r = await http.post("/v1/chat/completions", json=bad)
                     assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
                     assert r.json()["error"]["message"]
@@ -339,13 +346,40 @@ class InferenceContractTests:
         duplicated); each token's version is non-decreasing, starts at the old version, and
         every request still running when an update was live ends with tokens of the new one.
 
-        Timing-robust: a request that finished before the first update was live proves nothing
-        either way; if every request did, the check retries with a doubled token budget."""
+        Timing-robust: the token budget is sized from this server's measured decode speed and
+        update time (within its ``max_model_len``); a request that finished before the first
+        update was live proves nothing either way, and if every request did, the check retries
+        with twice the budget."""
+        n = 6
 
-        async def attempt(budget: int) -> bool:
+        async def calibrate() -> tuple[float, float, int]:
+            """Seconds per decode step with ``n`` requests running, seconds per update, room."""
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                probe = await client.chat({"messages": PROMPT, "max_tokens": 1})
+                room = (info.max_model_len or 1 << 20) - len(probe.prompt_token_ids or []) - 16
+                steps = min(64, room)
+                t0 = time.perf_counter()
+                await asyncio.gather(
+                    *(
+                        client.chat({"messages": PROMPT, "max_tokens": steps, "ignore_eos": True, "seed": i})
+                        for i in range(n)
+                    )
+                )
+                per_step = (time.perf_counter() - t0) / steps
+                t0 = time.perf_counter()
+                mirror.perturb(seed=info.version + 1)
+                await mirror.publish(publisher, info.version + 1, info.params)
+                per_update = time.perf_counter() - t0
+                await publisher.close()
+                return per_step, per_update, room
+
+        async def attempt(budget: int) -> tuple[bool, str]:
             async with server_under_test.client() as client:
                 publisher = await connect(server_under_test, client)
                 start = (await client.info()).version
+                mirror.perturb(seed=start + 1)  # ready before the requests start
                 loop = asyncio.get_running_loop()
 
                 async def timed(i: int) -> tuple[ChatCompletionResponse, float]:
@@ -353,8 +387,8 @@ class InferenceContractTests:
                     resp = await client.chat(body)
                     return resp, loop.time()
 
-                n = 6
                 running = []
+                t_sent = loop.time()
                 for i in range(n):
                     running.append(asyncio.create_task(timed(i)))
                     await asyncio.sleep(0.02)  # sent in this order
@@ -363,7 +397,8 @@ class InferenceContractTests:
                 live_at: list[float] = []
                 for k in (1, 2):
                     info = await client.info()
-                    mirror.perturb(seed=info.version + 1)
+                    if k > 1:
+                        mirror.perturb(seed=info.version + 1)
                     await mirror.publish(publisher, info.version + 1, info.params)
                     live_at.append(loop.time())
                     # chat issued while updates go on is served too
@@ -386,12 +421,30 @@ class InferenceContractTests:
                             "a request still running after an update was live carried no token of the new "
                             f"version (versions {sorted(set(c.weight_versions))}): no request saw the new weights"
                         )
-                return overlapped > 0
+                last_done = max(d for _, d in results)
+                timeline = (
+                    f"{budget} tokens: first update live {live_at[0] - t_sent:.2f} s after the requests were "
+                    f"sent, last request done at {last_done - t_sent:.2f} s"
+                )
+                return overlapped > 0, timeline
 
-        for budget in (1000, 2000, 4000):
-            if arun(functools.partial(attempt, budget)):
+        per_step, per_update, room = arun(calibrate)
+        # Long enough that the requests outlive the barrier and two updates several times over.
+        budget = min(room, max(256, int(8 * (2 * per_update + 0.5) / per_step)))
+        timelines = []
+        while True:
+            ok, timeline = arun(functools.partial(attempt, budget))
+            if ok:
                 return
-        pytest.fail("inconclusive: every request finished before the first update was live, even with 4000 tokens")
+            timelines.append(timeline)
+            if budget >= room:
+                break
+            budget = min(room, 2 * budget)
+        pytest.fail(
+            f"inconclusive: every request finished before the first update was live (decode step "
+            f"{per_step * 1e3:.1f} ms with {n} running, update {per_update:.2f} s, max_model_len leaves "
+            f"{room} tokens): " + "; ".join(timelines)
+        )
 
     def test_bad_updates_are_refused_before_any_receive(
         self, server_under_test: ServerUnderTest, mirror: Mirror

@@ -118,6 +118,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             group=backend.group_state(),
             updating=slot.busy is not None,
             params=backend.param_specs(),
+            max_model_len=backend.max_model_len,
             capabilities=capabilities_to_dict(backend.capabilities),
         )
 
@@ -195,7 +196,14 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": backend.model_name, "object": "model", "owned_by": backend.name}],
+            "data": [
+                {
+                    "id": backend.model_name,
+                    "object": "model",
+                    "owned_by": backend.name,
+                    "max_model_len": backend.max_model_len,
+                }
+            ],
         }
 
     @router.post("/v1/chat/completions", dependencies=[openai])

@@ -106,6 +106,10 @@ class ReferenceInferenceBackend(InferenceBackend):
         return self.engine.version
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def receiving_workers(self) -> int:
         return 1
 
@@ -229,7 +233,13 @@ class ReferenceInferenceBackend(InferenceBackend):
             return_dict=False,
         )
         prompt_ids = [int(t) for t in encoded]  # type: ignore[arg-type]
-        max_tokens = req.token_budget or DEFAULT_MAX_TOKENS
+        room = self.engine.max_model_len - len(prompt_ids)
+        max_tokens = req.token_budget or min(DEFAULT_MAX_TOKENS, room)
+        if max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"({self.engine.max_model_len})"
+            )
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")

@@ -212,6 +212,11 @@ class ContinuousBatchingEngine:
         """Weight version recorded on tokens produced from now on."""
         return self._version
 
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus generated tokens never exceed this."""
+        return self._max_model_len
+
     def set_version(self, v: int) -> None:
         """Set the weight version; only inside ``paused()`` (else ``RuntimeError``)."""
         with self._cond:

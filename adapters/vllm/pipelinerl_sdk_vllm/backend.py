@@ -118,6 +118,10 @@ class VLLMInferenceBackend(InferenceBackend):
         return self._model_name
 
     @property
+    def max_model_len(self) -> int | None:
+        return None if self._engine is None else int(self._engine.model_config.max_model_len)
+
+    @property
     def version(self) -> int:
         return self._version
 
