@@ -115,6 +115,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             bucket_mb=args.bucket_mb,
         )
+    elif args.what == "gather":
+        from pipelinerl_sdk.bench.gather import run_gather_bench
+
+        if not args.trainer:
+            raise SystemExit("bench gather: --trainer NAME is required (see `pipelinerl backends`)")
+        result = run_gather_bench(
+            trainer=args.trainer,
+            world_size=args.world_size,
+            model=args.model,
+            bucket_mb=args.bucket_mb,
+            repeats=args.updates,
+            options=_options(args.option),
+        )
     elif args.what == "pipeline":
         from pipelinerl_sdk.bench.pipeline import run_pipeline_bench
 
@@ -167,11 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tiny_model)
 
     k = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
-    k.add_argument("what", choices=["weight-update", "pipeline"])
-    k.add_argument("--backend", default="reference")
+    k.add_argument("what", choices=["weight-update", "gather", "pipeline"])
+    k.add_argument("--backend", default="reference", help="weight-update: the inference backend")
+    k.add_argument("--trainer", default=None, help="gather: the trainer backend")
+    k.add_argument("--world-size", type=int, default=2, help="gather: trainer ranks")
+    k.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="gather: trainer option")
     k.add_argument("--model", default=None, help="model dir (default: a freshly built 'bench' preset)")
     k.add_argument("--seconds", type=float, default=8.0, help="length of each throughput window")
-    k.add_argument("--updates", type=int, default=5, help="updates timed per mode")
+    k.add_argument("--updates", type=int, default=5, help="updates timed (per mode for weight-update)")
     k.add_argument("--concurrency", type=int, default=16)
     k.add_argument("--bucket-mb", type=int, default=64)
     k.add_argument("--json", action="store_true", help="one JSON object on one line")

@@ -69,6 +69,18 @@ class LocalGradsTrainer(ReferenceTrainer):
         return 1
 
 
+class WholeModelGatherTrainer(ReferenceTrainer):
+    """Gathers the whole model first (a full state dict copy, the easy way to "gather then
+    broadcast") and only then hands the tensors over: right names, right values, and a peak of a
+    whole model instead of one layer. Caught by ``test_gather_peak_memory_is_one_layer``."""
+
+    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+        full = {name: p.detach().clone() for name, p in self._require()[0].named_parameters()}
+        if sink is not None:
+            for name, tensor in full.items():
+                sink.send(name, tensor)
+
+
 #: Backend -> (the check that must fail, text its failure message must contain).
 CAUGHT_BY: dict[str, tuple[str, str]] = {
     "broken-wrong-names": (
@@ -84,12 +96,17 @@ CAUGHT_BY: dict[str, tuple[str, str]] = {
         "test_world_size_2_step_equals_world_size_1",
         "world size 2 vs world size 1 after one step: max |diff|",
     ),
+    "broken-whole-model-gather": (
+        "test_gather_peak_memory_is_one_layer",
+        "the gather holds more than one layer at a time",
+    ),
 }
 
 _FACTORIES = {
     "broken-wrong-names": (WrongNamesTrainer, "gathers under names without the 'model.' prefix"),
     "broken-diverging-step": (DivergingStepTrainer, "AdamW at twice the spec's lr (reports the spec's)"),
     "broken-local-grads": (LocalGradsTrainer, "no gradient all-reduce across ranks"),
+    "broken-whole-model-gather": (WholeModelGatherTrainer, "copies the whole model before sending any of it"),
 }
 
 

@@ -31,6 +31,8 @@ import torch
 
 from pipelinerl_sdk.conformance.targets import TrainerTarget
 from pipelinerl_sdk.contracts import StepMetrics, TokenBatch, TrainerBackend, TrainerSpec
+from pipelinerl_sdk.memory import AllocationPeak, gather_units
+from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.rl.objectives import CompletionNLL
 from pipelinerl_sdk.trainer_group import RankContext, run_ranks
 from pipelinerl_sdk.weights.tensors import as_bytes, dtype_name
@@ -41,6 +43,9 @@ FORWARD_ATOL = 1e-5
 PARAM_ATOL = 1e-6
 #: Reported grad norm vs the reference's total grad norm (relative).
 GRAD_NORM_RTOL = 1e-5
+#: Allocations a gather may make beyond its bound without failing the memory check (the
+#: profiler's and Python's own small allocations).
+GATHER_PEAK_SLACK_BYTES = 256 << 10
 #: Hyper-parameters of the step checks: betas off the defaults (a backend that drops them fails
 #: at the second step), weight decay on (a backend that drops it or couples it fails), no clipping.
 STEP_HPARAMS: Mapping[str, Any] = {
@@ -74,6 +79,67 @@ class CollectingSink:
             raise AssertionError(f"gather_and_broadcast sent {name!r} twice")
         self.names.append(name)
         self.tensors[name] = tensor.detach().to("cpu", copy=True)
+
+
+class PreallocatedSink:
+    """A :class:`~pipelinerl_sdk.contracts.WeightSink` that behaves like the SDK's bucketed sender
+    for memory: every tensor is copied (as bytes) into one buffer allocated up front, then
+    dropped. So whatever a gather allocates while handing tensors to it is the gather's own."""
+
+    def __init__(self, specs: Sequence[ParamSpec]) -> None:
+        self.buffer = torch.empty(max((s.nbytes for s in specs), default=0), dtype=torch.uint8)
+        self.sent = 0
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        src = as_bytes(tensor.detach())
+        self.buffer[: src.numel()].copy_(src)
+        self.sent += 1
+
+
+@dataclass(frozen=True, slots=True)
+class GatherPeak:
+    """Rank 0's extra peak memory during one ``gather_and_broadcast`` into a
+    :class:`PreallocatedSink`, and the bound it is judged by: the largest gather unit (a decoder
+    layer, or a param outside the layers) plus the largest param (one tensor in flight to the
+    sink: the "bucket" of a sender that copies per param)."""
+
+    peak_bytes: int
+    largest_unit_bytes: int
+    largest_param_bytes: int
+
+    @property
+    def bound_bytes(self) -> int:
+        return self.largest_unit_bytes + self.largest_param_bytes
+
+    def describe(self) -> str:
+        mb = 1 / (1 << 20)
+        return (
+            f"extra peak {self.peak_bytes * mb:.2f} MiB during gather_and_broadcast; bound: largest layer "
+            f"{self.largest_unit_bytes * mb:.2f} MiB + largest param {self.largest_param_bytes * mb:.2f} MiB"
+        )
+
+
+def measure_gather_peak(trainer: TrainerBackend, *, is_rank0: bool = True) -> GatherPeak | None:
+    """Warm-up gather (lazily built buffers are not per-gather cost), then one gather under
+    :class:`~pipelinerl_sdk.memory.AllocationPeak`. A collective: every rank calls it; rank 0
+    (``is_rank0``) hands tensors to the sink and gets the figures, the others get None."""
+    specs = trainer.param_specs()
+    sink = PreallocatedSink(specs) if is_rank0 else None
+    trainer.gather_and_broadcast(sink)
+    if sink is not None:
+        sink.sent = 0
+    with AllocationPeak() as peak:
+        trainer.gather_and_broadcast(sink)
+    if sink is None:
+        return None
+    assert sink.sent == len(specs), f"gather_and_broadcast sent {sink.sent} tensors for {len(specs)} params"
+    return GatherPeak(peak.bytes, max(gather_units(specs).values()), max(s.nbytes for s in specs))
+
+
+def assert_gather_peak_bounded(peak: GatherPeak, what: str) -> None:
+    assert peak.peak_bytes <= peak.bound_bytes + GATHER_PEAK_SLACK_BYTES, (
+        f"{what}: {peak.describe()}: the gather holds more than one layer at a time"
+    )
 
 
 def fixed_batch(model_dir: Path, index: int) -> TokenBatch:
@@ -278,11 +344,13 @@ def sharded_step(ctx: RankContext, job: ShardedStepJob) -> dict[str, Any]:
         metrics = trainer.step()
         sink = CollectingSink() if ctx.rank == 0 else None
         trainer.gather_and_broadcast(sink)
+        peak = measure_gather_peak(trainer, is_rank0=ctx.rank == 0)
         return {
             "logprobs": logprobs,
             "grad_norm": metrics.grad_norm,
             "params": sink.tensors if sink is not None else None,
             "names": sink.names if sink is not None else None,
+            "gather_peak": peak,
         }
     finally:
         trainer.close()
@@ -410,6 +478,22 @@ class TrainerContractTests:
         for n, p in fresh.named_parameters():
             assert bitwise_equal(p.detach(), sink.tensors[n]), f"{n}: not loaded bit for bit"
 
+    def test_gather_peak_memory_is_one_layer(
+        self, trainer_target: TrainerTarget, conformance_model: Path, record_property: Any
+    ) -> None:
+        """``gather_and_broadcast`` streams: rank 0's extra peak memory (every torch allocation
+        and free replayed in time order, after a warm-up gather) stays within the largest gather
+        unit (a decoder layer, or a param outside the layers) plus the largest param, into a sink
+        that copies into a buffer allocated up front, as the SDK's bucketed sender does. A
+        backend that gathers the whole model (a full state dict) before sending fails. The
+        figures are recorded as properties (``gather_peak_bytes``, ``gather_bound_bytes``)."""
+        with open_trainer(trainer_target, TrainerSpec(model=str(conformance_model), dtype="float32")) as trainer:
+            peak = measure_gather_peak(trainer)
+        assert peak is not None
+        record_property("gather_peak_bytes", peak.peak_bytes)
+        record_property("gather_bound_bytes", peak.bound_bytes)
+        assert_gather_peak_bounded(peak, "world size 1")
+
     # --- forward --------------------------------------------------------------------------------
 
     def test_forward_equals_plain_transformers(self, trainer_target: TrainerTarget, conformance_model: Path) -> None:
@@ -499,6 +583,19 @@ class TrainerContractTests:
             assert_grad_norm_close(out["grad_norm"], r.ws1_grad_norm, f"rank {rank} of 2 vs world size 1")
 
     @pytest.mark.requires("world_size:2")
+    def test_world_size_2_gather_stays_within_one_layer(
+        self, trainer_target: TrainerTarget, conformance_model: Path, record_property: Any
+    ) -> None:
+        """At world size 2 (sharded backends gather for real here), rank 0's extra peak memory
+        during ``gather_and_broadcast`` stays within the same bound as at world size 1: the
+        largest layer plus the largest param (see ``test_gather_peak_memory_is_one_layer``)."""
+        peak = world_size_runs(trainer_target, conformance_model).ws2[0]["gather_peak"]
+        assert isinstance(peak, GatherPeak), "rank 0 measured no gather"
+        record_property("gather_peak_bytes", peak.peak_bytes)
+        record_property("gather_bound_bytes", peak.bound_bytes)
+        assert_gather_peak_bounded(peak, "rank 0 of 2")
+
+    @pytest.mark.requires("world_size:2")
     def test_world_size_2_forward_equals_world_size_1(
         self, trainer_target: TrainerTarget, conformance_model: Path
     ) -> None:
@@ -511,17 +608,21 @@ class TrainerContractTests:
 
 __all__ = [
     "FORWARD_ATOL",
+    "GATHER_PEAK_SLACK_BYTES",
     "GRAD_NORM_RTOL",
     "PARAM_ATOL",
     "STEP_HPARAMS",
     "CollectingSink",
     "CompletionNLL",
+    "GatherPeak",
+    "PreallocatedSink",
     "ReferenceRun",
     "ShardedStepJob",
     "TrainerContractTests",
     "fixed_batch",
     "hf_logprobs",
     "hf_model",
+    "measure_gather_peak",
     "read_checkpoint",
     "reference_adamw",
     "shard",

@@ -82,6 +82,11 @@ class WeightPublisher:
         #: The sender's two bucket buffers, kept across updates (see WeightSender).
         self._buffers: list[torch.Tensor] | None = None
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the sender's bucket buffers held between updates (0 before the first)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers or [])
+
     async def connect(
         self,
         *,

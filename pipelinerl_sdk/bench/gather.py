@@ -1,0 +1,199 @@
+"""``pipelinerl bench gather``: what a trainer's ``gather_and_broadcast`` costs, in one run.
+
+Setup: a reference inference server child process (``ServerProcess``, one torch thread) is the
+receiver; the trainer runs as ``world_size`` spawned ranks (:func:`run_ranks`, gloo), every rank
+building it by its registered name. Rank 0 joins the server in a weight-update group
+(``WeightPublisher``, ``staged`` receive, ``bucket_mb`` buckets) and publishes; the other ranks
+only take part in the trainer's own gathers. The model is the ``bench`` preset (~103 MB fp32,
+8 decoder layers of ~12.6 MB) unless one is given.
+
+Figures (medians over ``repeats`` timed updates after one warm-up):
+
+- ``gather_broadcast_s``: rank 0's ``gather_and_broadcast`` into the SDK's bucketed sender,
+  from the sender's creation (every server accepted) until the last bucket's broadcast completed
+  (``PublishResult.stats.seconds``): gathering, copying into buckets and broadcasting, overlapped
+  as the trainer and sender manage;
+- ``flat_broadcast_s``: one broadcast of a single flat buffer of the same bytes to the same
+  server (``publisher.probe``): the floor for the line above; ``update_over_flat_broadcast`` is
+  their ratio (target <= 1.25);
+- ``update_wall_s``: the whole publish as the pipeline sees it (validation round trip, gather,
+  broadcast, the server's apply and reply), for context;
+- ``peak_extra_bytes``: rank 0's extra peak of torch allocations during one more update
+  (:class:`~pipelinerl_sdk.memory.AllocationPeak`, the gather run on the profiled thread), with
+  the sender's two bucket buffers already allocated (they are allocated once per publisher and
+  reused: ``sender_buffer_bytes``); ``peak_over_layer`` is it over the largest decoder layer
+  (target <= 2).
+
+Noise: the machine may be shared and has few cores (server receive + ``world_size`` ranks);
+``samples`` keeps every timing so a reader can see the spread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelinerl_sdk.contracts import TrainerBackend, TrainerSpec
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.memory import AllocationPeak, gather_units
+from pipelinerl_sdk.trainer_group import RankContext, run_ranks
+
+__all__ = ["TARGETS", "GatherJob", "run_gather_bench"]
+
+#: Bounds a trainer should meet (ratios at most these).
+TARGETS: dict[str, float] = {"update_over_flat_broadcast": 1.25, "peak_over_layer": 2.0}
+
+
+@dataclass(frozen=True, slots=True)
+class GatherJob:
+    """What every rank needs (pickled to the spawned ranks)."""
+
+    trainer: str
+    model: str
+    server_url: str
+    control_token: str
+    bucket_bytes: int
+    repeats: int
+    options: dict[str, Any] = field(default_factory=dict)
+    torch_threads: int | None = 1
+
+
+def run_gather_bench(
+    *,
+    trainer: str,
+    world_size: int = 2,
+    model: str | os.PathLike[str] | None = None,
+    bucket_mb: int = 64,
+    repeats: int = 3,
+    options: dict[str, Any] | None = None,
+    torch_threads: int | None = 1,
+    timeout_s: float = 1800.0,
+) -> dict[str, Any]:
+    """Run the benchmark (see the module doc) and return its figures as a JSON-ready dict.
+
+    ``model``: an HF model directory; None builds the ``bench`` preset into a temporary
+    directory, removed afterwards. ``options``: the trainer's ``TrainerSpec.options``."""
+    if world_size < 1 or repeats < 1 or bucket_mb < 1:
+        raise ValueError("world_size, repeats and bucket_mb must be >= 1")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-gather-") as tmp:
+        if model is None:
+            from pipelinerl_sdk.reference.tiny import build_tiny_model
+
+            path = build_tiny_model(Path(tmp, "model"), preset="bench")
+            model_label = "bench preset (built)"
+        else:
+            path = Path(model)
+            model_label = str(path)
+        with ServerProcess("reference", path, options={"threads": 1}) as server:
+            job = GatherJob(
+                trainer=trainer,
+                model=str(path),
+                server_url=server.url,
+                control_token=server.control_token,
+                bucket_bytes=bucket_mb << 20,
+                repeats=repeats,
+                options=dict(options or {}),
+                torch_threads=torch_threads,
+            )
+            results = run_ranks(world_size, gather_rank, job, timeout_s=timeout_s)
+    result: dict[str, Any] = results[0]
+    result["meets_targets"] = {k: result[k] is not None and result[k] <= v for k, v in TARGETS.items()}
+    result["targets"] = dict(TARGETS)
+    result["config"] = {
+        "trainer": trainer,
+        "world_size": world_size,
+        "model": model_label,
+        "bucket_mb": bucket_mb,
+        "repeats": repeats,
+        "options": dict(options or {}),
+        "receiver": "reference server, staged receive, 1 torch thread",
+        "torch_threads": torch_threads,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "wall_s": time.perf_counter() - started,
+    }
+    return result
+
+
+def gather_rank(ctx: RankContext, job: GatherJob) -> dict[str, Any]:
+    """One rank: init the trainer by its registered name; rank 0 publishes (and measures), the
+    others gather along. Every rank calls ``gather_and_broadcast`` ``repeats + 2`` times."""
+    from pipelinerl_sdk.plugins import load_registry
+
+    if job.torch_threads is not None:
+        torch.set_num_threads(job.torch_threads)
+    trainer: TrainerBackend = load_registry().factory("trainer", job.trainer)()
+    try:
+        trainer.init(TrainerSpec(model=job.model, dtype="float32", options=dict(job.options)))
+        if not ctx.is_main:
+            for _ in range(job.repeats + 2):
+                trainer.gather_and_broadcast(None)
+            return {}
+        return asyncio.run(_publish_and_measure(trainer, job))
+    finally:
+        trainer.close()
+
+
+async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[str, Any]:
+    from pipelinerl_sdk.http.client import InferenceClient
+    from pipelinerl_sdk.weights.publisher import WeightPublisher
+
+    specs = trainer.param_specs()
+    model_bytes = sum(s.nbytes for s in specs)
+    units = gather_units(specs)
+    layers = [n for k, n in units.items() if ".layers." in k + "."]
+    client = InferenceClient(job.server_url, control_token=job.control_token)
+    publisher = WeightPublisher([client], bucket_bytes=job.bucket_bytes, mode="staged")
+    try:
+        version = (await client.info()).version
+        await publisher.connect()
+        await publisher.probe(model_bytes)  # warm-up
+        flat = [(await publisher.probe(model_bytes))[0] for _ in range(3)]
+
+        gather_s: list[float] = []
+        wall_s: list[float] = []
+        for i in range(job.repeats + 1):  # the first is a warm-up
+            version += 1
+            async with publisher.update(version, specs) as sender:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sender)
+            assert publisher.last is not None
+            if i:
+                gather_s.append(publisher.last.send.seconds)
+                wall_s.append(publisher.last.wall_s)
+
+        version += 1
+        async with publisher.update(version, specs) as sender:
+            with AllocationPeak() as peak:
+                trainer.gather_and_broadcast(sender)  # on this thread: the profiler sees it
+        buffers = publisher.buffer_bytes
+    finally:
+        await publisher.close()
+        await client.aclose()
+
+    gather_med = statistics.median(gather_s)
+    flat_med = statistics.median(flat)
+    largest_layer = max(layers) if layers else None
+    return {
+        "model_bytes": model_bytes,
+        "params": len(specs),
+        "largest_layer_bytes": largest_layer,
+        "largest_unit_bytes": max(units.values()),
+        "gather_broadcast_s": gather_med,
+        "flat_broadcast_s": flat_med,
+        "update_over_flat_broadcast": gather_med / flat_med,
+        "update_wall_s": statistics.median(wall_s),
+        "peak_extra_bytes": peak.bytes,
+        "allocated_bytes": peak.allocated,
+        "peak_over_layer": peak.bytes / largest_layer if largest_layer else None,
+        "sender_buffer_bytes": buffers,
+        "samples": {"gather_broadcast_s": gather_s, "flat_broadcast_s": flat, "update_wall_s": wall_s},
+    }
