@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pipelinerl_sdk.errors import UpdateRejected
 from pipelinerl_sdk.protocol import (
@@ -130,6 +130,10 @@ class InferenceBackend(ABC):
     """
 
     capabilities: InferenceCapabilities = InferenceCapabilities()
+    #: ``"module:attr"`` of the engine's own documented update flow
+    #: (:class:`pipelinerl_sdk.bench.anchor.NativeUpdateFlow`), the anchor ``pipelinerl bench
+    #: weight-update`` measures next to the SDK's update; None if the engine has none.
+    native_update_flow: ClassVar[str | None] = None
 
     @abstractmethod
     async def start(self) -> None: ...

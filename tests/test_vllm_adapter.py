@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 import torch
 
@@ -55,7 +56,8 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess("vllm", tiny_model, env=ENV, startup_timeout_s=600)
+    # VLLM_SERVER_DEV_MODE: vLLM's own RL routes too, for the native-flow anchor's test.
+    proc = ServerProcess("vllm", tiny_model, env={**ENV, "VLLM_SERVER_DEV_MODE": "1"}, startup_timeout_s=600)
     t0 = time.monotonic()
     proc.start()
     print(f"\nvllm server ready in {time.monotonic() - t0:.1f}s at {proc.url}")
@@ -235,6 +237,54 @@ def test_reference_trainer_updates_vllm_and_logprobs_agree(
             served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
             assert (served_prompt - lp[: len(prompt) - 1]).abs().max() < 1e-4
             assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
+            await pub.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+@requires_vllm
+def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model: Path) -> None:
+    """The benchmark's anchor really is vLLM's own flow and really updates the weights: a reference
+    trainer step published through /pause, /start_weight_update, /update_weights,
+    /finish_weight_update and /resume is what vLLM then serves (logprobs equal the trainer's,
+    fp32: 1e-4); vLLM's own /weight_info reports the version; the SDK's next update still works."""
+    from pipelinerl_sdk.bench.anchor import load_native_flow
+    from pipelinerl_sdk.plugins import load_registry
+
+    flow = load_native_flow(load_registry().factory("inference", "vllm"))
+    assert flow is not None and flow.server_env == {"VLLM_SERVER_DEV_MODE": "1"}
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+
+    async def body() -> None:
+        async with InferenceClient(vllm_server.url, control_token=vllm_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20)
+            await pub.connect()
+            info = await client.info()
+            ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
+            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+            trainer.step()
+            done = await flow.update(
+                vllm_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs(), info.version + 1
+            )
+            assert done.send_s > 0 and 0 < done.pause_s <= done.wall_s
+            async with httpx.AsyncClient(base_url=vllm_server.url) as http:
+                assert (await http.get("/weight_info")).json()["weight_version"] == str(info.version + 1)
+                assert (await http.get("/is_paused")).json()["is_paused"] is False
+            resp = await _scored(client)
+            choice = resp.choices[0]
+            prompt = resp.prompt_token_ids or []
+            seq = prompt + (choice.token_ids or [])
+            lp = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[len(prompt)]))[0]
+            served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
+            assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
+            # the SDK's own update after it: same weights, the SDK's version moves on
+            async with pub.update(info.version + 2, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            assert set((await _scored(client)).choices[0].weight_versions) == {info.version + 2}
             await pub.close()
 
     try:

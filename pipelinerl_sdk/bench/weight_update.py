@@ -10,7 +10,9 @@ once:
 - ``flat_broadcast_s``: one flat broadcast of all param bytes through the same group
   (``publisher.probe``; send seconds, median of 3 after a warm-up): the floor for an update.
 
-Then, per receive mode (``staged``, ``direct``): one warm-up update, ``updates`` timed updates
+Then, per receive mode (``staged``, ``direct``) and, when the backend names one
+(``InferenceBackend.native_update_flow``), for the engine's own documented flow (``native``, the
+anchor: :mod:`pipelinerl_sdk.bench.anchor`): one warm-up update, ``updates`` timed updates
 on an idle server (``update_wall_s`` = ``publisher.last.wall_s``, ``pause_s`` = the server's
 reported pause; medians), then a chat load (``concurrency`` workers, ``max_tokens`` 32,
 temperature 1.0, ``ignore_eos``; see :mod:`pipelinerl_sdk.bench.load`) measured over two
@@ -43,16 +45,19 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipelinerl_sdk.bench.anchor import NativeUpdateFlow, load_native_flow
 from pipelinerl_sdk.bench.load import SUPPORTS_IGNORE_EOS, ChatLoad
 from pipelinerl_sdk.contracts import TrainerSpec
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.plugins import load_registry
 from pipelinerl_sdk.protocol import ParamSpec, ReceiveMode
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
 from pipelinerl_sdk.weights.buckets import BucketPlan
@@ -92,11 +97,13 @@ def run_weight_update_bench(
     bucket_mb: int = 64,
     torch_threads: int | None = 1,
     server_threads: int | None = 1,
+    native: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark (see the module doc) and return its figures as a JSON-ready dict.
 
     ``model``: an HF model directory; None builds the ``bench`` preset (~100 MB fp32) into a
-    temporary directory, removed afterwards."""
+    temporary directory, removed afterwards. ``native``: also measure the backend's own flow,
+    if it names one."""
     if seconds <= 0 or updates < 1 or concurrency < 1 or bucket_mb < 1:
         raise ValueError("seconds must be > 0; updates, concurrency and bucket_mb >= 1")
     started = time.perf_counter()
@@ -113,11 +120,13 @@ def run_weight_update_bench(
         if backend != "reference":
             server_threads = None  # the thread option is the reference server's
         options: dict[str, object] = {} if server_threads is None else {"threads": server_threads}
+        flow = load_native_flow(load_registry().factory("inference", backend)) if native else None
         try:
             if torch_threads is not None:
                 torch.set_num_threads(torch_threads)
             memcpy_threads = server_threads if server_threads is not None else previous_threads
-            with ServerProcess(backend, path, options=options) as server:
+            env = dict(flow.server_env) if flow is not None else None
+            with ServerProcess(backend, path, options=options, env=env) as server:
                 result = asyncio.run(
                     _bench(
                         server,
@@ -127,6 +136,7 @@ def run_weight_update_bench(
                         concurrency=concurrency,
                         bucket_mb=bucket_mb,
                         memcpy_threads=memcpy_threads,
+                        flow=flow,
                     )
                 )
         finally:
@@ -152,6 +162,7 @@ async def _bench(
     concurrency: int,
     bucket_mb: int,
     memcpy_threads: int,
+    flow: NativeUpdateFlow | None,
 ) -> dict[str, Any]:
     bucket_bytes = bucket_mb << 20
     client = InferenceClient(server.url, control_token=server.control_token)
@@ -178,11 +189,13 @@ async def _bench(
                 modes[mode] = {"skipped": f"server supports only {info.receive_modes}"}
                 continue
             publisher.mode = mode
+
+            async def sdk(version: int) -> UpdateRecord:
+                return await _publish(publisher, trainer, specs, version)
+
             modes[mode] = await _bench_mode(
                 client,
-                publisher,
-                trainer,
-                specs,
+                sdk,
                 versions,
                 updates=updates,
                 seconds=seconds,
@@ -192,6 +205,36 @@ async def _bench(
                 cpu=_CpuMeter([server.pid]),
             )
             modes[mode]["meets_targets"] = _meets(mode, modes[mode])
+        if flow is not None:
+            native_flow = flow
+
+            async def native(version: int) -> UpdateRecord:
+                done = await native_flow.update(server.url, publisher, trainer.gather_and_broadcast, specs, version)
+                return UpdateRecord(done.wall_s, done.pause_s, done.send_s, None, None)
+
+            modes["native"] = await _bench_mode(
+                client,
+                native,
+                versions,
+                updates=updates,
+                seconds=seconds,
+                concurrency=concurrency,
+                memcpy_s=memcpy_s,
+                flat_broadcast_s=flat_broadcast_s,
+                cpu=_CpuMeter([server.pid]),
+            )
+            modes["native"]["flow"] = flow.description
+            for mode in MODES:
+                if "update_wall_s" in modes[mode]:
+                    modes[mode]["vs_native"] = {
+                        "update_wall_s": modes[mode]["update_wall_s"] / modes["native"]["update_wall_s"],
+                        "pause_s": modes[mode]["pause_s"] / modes["native"]["pause_s"],
+                        "tokens_per_s_updating": modes[mode]["tokens_per_s_updating"]
+                        / modes["native"]["tokens_per_s_updating"],
+                    }
+                    modes[mode]["meets_targets"]["no_slower_than_native"] = (
+                        modes[mode]["update_wall_s"] <= modes["native"]["update_wall_s"]
+                    )
         return {
             "model_bytes": model_bytes,
             "memcpy_s": memcpy_s,
@@ -241,33 +284,54 @@ def _memcpy_seconds(nbytes: int, threads: int, repeats: int = 5) -> float:
         torch.set_num_threads(previous)
 
 
+@dataclass(frozen=True, slots=True)
+class UpdateRecord:
+    """One timed update, whichever way it was done. ``pause_s``: the fleet's pause (the longest
+    any server held generation); ``receive_s``/``apply_s``: the servers' own figures (the slowest
+    server), None when the flow does not report them."""
+
+    wall_s: float
+    pause_s: float
+    send_s: float
+    receive_s: float | None
+    apply_s: float | None
+
+
 async def _publish(
     publisher: WeightPublisher, trainer: ReferenceTrainer, specs: Sequence[ParamSpec], version: int
-) -> PublishResult:
+) -> UpdateRecord:
     async with publisher.update(version, specs) as sink:
         await asyncio.to_thread(trainer.gather_and_broadcast, sink)
     last = publisher.last
     assert last is not None and last.version == version
-    return last
+    return _record(last)
 
 
-def _pause_s(result: PublishResult) -> float:
-    """The fleet's pause: the longest any server held generation."""
-    return max(e.timings["pause_s"] for e in result.events.values())
+def _record(result: PublishResult) -> UpdateRecord:
+    events = result.events.values()
+    return UpdateRecord(
+        wall_s=result.wall_s,
+        pause_s=max(e.timings["pause_s"] for e in events),
+        send_s=result.send.seconds,
+        receive_s=max(e.timings["receive_s"] for e in events),
+        apply_s=max(e.timings["apply_s"] for e in events),
+    )
 
 
-def _summary(results: Sequence[PublishResult]) -> dict[str, Any]:
+def _summary(results: Sequence[UpdateRecord]) -> dict[str, Any]:
     if not results:
         return {"count": 0}
     walls = [r.wall_s for r in results]
-    pauses = [_pause_s(r) for r in results]
+    pauses = [r.pause_s for r in results]
+    receives = [r.receive_s for r in results if r.receive_s is not None]
+    applies = [r.apply_s for r in results if r.apply_s is not None]
     return {
         "count": len(results),
         "update_wall_s": statistics.median(walls),
         "pause_s": statistics.median(pauses),
-        "receive_s": statistics.median(max(e.timings["receive_s"] for e in r.events.values()) for r in results),
-        "apply_s": statistics.median(max(e.timings["apply_s"] for e in r.events.values()) for r in results),
-        "send_s": statistics.median(r.send.seconds for r in results),
+        "receive_s": statistics.median(receives) if receives else None,
+        "apply_s": statistics.median(applies) if applies else None,
+        "send_s": statistics.median(r.send_s for r in results),
         "update_wall_s_max": max(walls),
         "pause_s_max": max(pauses),
     }
@@ -275,9 +339,7 @@ def _summary(results: Sequence[PublishResult]) -> dict[str, Any]:
 
 async def _bench_mode(
     client: InferenceClient,
-    publisher: WeightPublisher,
-    trainer: ReferenceTrainer,
-    specs: Sequence[ParamSpec],
+    publish: Callable[[int], Awaitable[UpdateRecord]],
     versions: itertools.count[int],
     *,
     updates: int,
@@ -287,11 +349,11 @@ async def _bench_mode(
     flat_broadcast_s: float,
     cpu: _CpuMeter,
 ) -> dict[str, Any]:
-    await _publish(publisher, trainer, specs, next(versions))  # warm-up
-    idle = _summary([await _publish(publisher, trainer, specs, next(versions)) for _ in range(updates)])
+    await publish(next(versions))  # warm-up
+    idle = _summary([await publish(next(versions)) for _ in range(updates)])
 
     loop = asyncio.get_running_loop()
-    under_load: list[PublishResult] = []
+    under_load: list[UpdateRecord] = []
     async with ChatLoad(client, concurrency=concurrency, max_tokens=MAX_TOKENS, temperature=TEMPERATURE) as load:
         await load.wait_phased()
         await asyncio.sleep(RAMP_S)
@@ -303,7 +365,7 @@ async def _bench_mode(
         tick = 0
         while (due := t1 + tick * UPDATE_INTERVAL_S) < t1 + seconds:
             await asyncio.sleep(max(0.0, due - loop.time()))
-            under_load.append(await _publish(publisher, trainer, specs, next(versions)))
+            under_load.append(await publish(next(versions)))
             # An update that overran its second skips the ticks it missed.
             tick = max(tick + 1, int((loop.time() - t1) // UPDATE_INTERVAL_S) + 1)
         t2 = t1 + seconds

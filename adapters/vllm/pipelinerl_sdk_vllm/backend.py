@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
@@ -78,6 +78,7 @@ class VLLMInferenceBackend(InferenceBackend):
     (``--option k=v``): see :data:`OPTIONS`."""
 
     capabilities = CAPABILITIES
+    native_update_flow = "pipelinerl_sdk_vllm.native_flow:FLOW"
 
     def __init__(self, config: ServeConfig) -> None:
         unknown = set(config.options) - set(OPTIONS)
@@ -404,7 +405,9 @@ class VLLMInferenceBackend(InferenceBackend):
         if len(versions) != len(token_ids):
             # Never guess: a version the engine did not report would hide stale tokens.
             raise RuntimeError(f"vLLM reported weight-version spans for {len(versions)} of {len(token_ids)} tokens")
-        finish = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+        finish: Literal["stop", "length", "abort"] = (
+            c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+        )
         return ChatChoice(
             index=index,
             message=AssistantMessage(content=str(c.text)),
@@ -430,7 +433,7 @@ def _hf_param_specs(model: str, dtype: str) -> list[ParamSpec]:
 
     cfg = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(cfg)
+        m = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     return [ParamSpec(name=n, dtype=dtype, shape=tuple(p.shape)) for n, p in m.named_parameters()]  # type: ignore[arg-type]
 
 

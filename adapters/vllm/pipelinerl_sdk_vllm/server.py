@@ -98,9 +98,11 @@ def mount_router(app: FastAPI, router: APIRouter) -> None:
     kept = []
     for r in before:
         if isinstance(r, APIRoute):
-            taken = set().union(*(o.methods for o in ours if isinstance(o, APIRoute) and o.path == r.path))
-            if taken & r.methods:
-                rest = r.methods - taken
+            taken: set[str] = set().union(
+                *(o.methods or set() for o in ours if isinstance(o, APIRoute) and o.path == r.path)
+            )
+            if taken & (r.methods or set()):
+                rest = (r.methods or set()) - taken
                 if not rest:
                     continue
                 r = copy(r)

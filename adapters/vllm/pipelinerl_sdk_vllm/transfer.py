@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -62,7 +62,11 @@ class PipelineRLInitInfo(WeightTransferInitInfo):
 @dataclass
 class PipelineRLUpdateInfo(WeightTransferUpdateInfo):
     """``op``: ``receive`` (arm the staged receive of ``version``), ``probe`` (receive one flat
-    broadcast of ``nbytes`` and discard it) or ``discard`` (drop a staged update)."""
+    broadcast of ``nbytes`` and discard it) or ``discard`` (drop a staged update).
+
+    ``blocking``: receive on the calling (RPC) thread and return once every bucket arrived, as
+    vLLM's built-in engines do (generation stops meanwhile). Only the benchmark's native-flow
+    anchor asks for it; the SDK's own updates never block the engine loop."""
 
     op: str
     version: int = 0
@@ -71,6 +75,7 @@ class PipelineRLUpdateInfo(WeightTransferUpdateInfo):
     timeout_s: float = 120.0
     nbytes: int = 0
     probe_id: int = 0
+    blocking: bool = False
 
 
 @dataclass
@@ -105,7 +110,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
 
     def worker_rank(self) -> int:
         pc = self.parallel_config
-        return pc.data_parallel_index * pc.world_size + pc.rank
+        return int(pc.data_parallel_index * pc.world_size + pc.rank)
 
     def init_transfer_engine(self, init_info: PipelineRLInitInfo) -> None:
         self._wait_idle()
@@ -176,8 +181,13 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             except BaseException as e:
                 job.error, job.state = f"{type(e).__name__}: {e}", "failed"
 
-        job.thread = threading.Thread(target=run, name=f"pipelinerl-receive-{job.key}", daemon=True)
         self.job = job
+        if update_info.blocking:
+            run()
+            if job.state != "received":
+                raise RuntimeError(f"pipelinerl weight transfer: receive of {job.key} failed: {job.error}")
+            return
+        job.thread = threading.Thread(target=run, name=f"pipelinerl-receive-{job.key}", daemon=True)
         job.thread.start()
 
     def finish_weight_update(self) -> None:
@@ -198,7 +208,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         staged, job.staged, self.job = job.staged, None, None  # applied at most once, even on error
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
-            self.model.load_weights(staged.tensors())  # type: ignore[operator]
+            cast(Any, self.model).load_weights(staged.tensors())  # vLLM models define load_weights
             finalize_layerwise_reload(self.model, self.model_config)
         self.last_apply_s = time.perf_counter() - t0
 
