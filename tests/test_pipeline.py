@@ -147,3 +147,26 @@ def test_two_trainer_ranks_by_spawn(tmp_path: Path) -> None:
     summary, rows = _run(tmp_path, "trainer_world_size=2", "max_steps=3", "reward_target=null", "plots=false")
     assert summary["steps"] == 3 and len(rows) == 3
     assert all(r["grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.integration
+def test_two_trainer_ranks_by_torchrun(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m pipelinerl_sdk.cli run``: rank 0 runs the loop, rank 1
+    follows; the gradient is the whole batch's (every rank reports the same steps)."""
+    from pipelinerl_sdk.weights.publisher import free_port
+
+    out = tmp_path / "run"
+    port = str(free_port())  # torchrun's --master-port 0 would hand the ranks port 0 and hang
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+        "-m", "pipelinerl_sdk.cli", "run",
+        *[a for o in (f"out_dir={out}", "progress=false", "max_steps=3", "reward_target=null", "plots=false")
+          for a in ("--set", o)],
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 3 and len(rows) == 3
+    assert summary["trainer_world_size"] == 2, summary
+    assert all(r["grad_norm"] > 0 for r in rows)

@@ -342,3 +342,32 @@ def test_generation_during_a_receive(
             await pub.close()
 
     run(body)
+
+
+# --- the PipelineRL loop on vLLM x FSDP --------------------------------------------------------------
+
+
+@requires_vllm
+def test_pipeline_runs_on_vllm_and_fsdp(tmp_path: Path) -> None:
+    """``examples/digit_successor_vllm_fsdp.toml`` shortened: a vLLM server and two FSDP2 ranks run
+    the PipelineRL loop; every step is published to vLLM, whose tokens then carry versions no
+    older than the lag bound."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    sets = [f"out_dir={out}", "progress=false", "plots=false", "max_steps=4", "reward_target=null"]
+    cmd = [sys.executable, "-m", "pipelinerl_sdk.cli", "run", str(root / "examples" / "digit_successor_vllm_fsdp.toml")]
+    cmd += [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root, env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 4 and len(rows) == 4
+    assert (summary["inference_backend"], summary["trainer_backend"], summary["trainer_world_size"]) == (
+        "vllm",
+        "fsdp",
+        2,
+    )
+    assert all(r["grad_norm"] > 0 for r in rows)
+    assert all(0 <= lag <= 2 for r in rows for lag in r["lags"])

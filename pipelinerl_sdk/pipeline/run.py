@@ -43,6 +43,10 @@ class RunSummary:
     median_pause_s: float
     tokens_per_s: float
     metrics_path: str
+    inference_backend: str = ""
+    trainer_backend: str = ""
+    #: Trainer ranks that took part (spawned or started by torchrun).
+    trainer_world_size: int = 1
 
     def line(self) -> str:
         target = f"target reached in {self.time_to_target_s:.0f}s" if self.reached_target else "target NOT reached"
@@ -237,6 +241,9 @@ class Run:
             median_pause_s=_median([r["pause_s"] for r in self.rows]),
             tokens_per_s=actors.tokens_generated / seconds if seconds else 0.0,
             metrics_path=str(self.out / "metrics.jsonl"),
+            inference_backend=cfg.inference_backend,
+            trainer_backend=cfg.trainer_backend,
+            trainer_world_size=_world_size(),
         )
         (self.out / "summary.json").write_text(json.dumps(_asdict(summary), indent=2))
         if cfg.plots:
@@ -244,6 +251,12 @@ class Run:
 
             write_plots(self.rows, self.out, title=f"{cfg.task} ({cfg.mode})")
         return summary
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _asdict(summary: RunSummary) -> dict[str, Any]:
