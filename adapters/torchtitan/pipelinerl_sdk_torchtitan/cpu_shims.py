@@ -23,9 +23,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
-__all__ = ["KERNEL_NAMES", "KERNELS_MODULE", "apply", "applied", "needs_cpu_device", "needs_triton_stub"]
+__all__ = ["KERNELS_MODULE", "KERNEL_NAMES", "SHIMS", "applied", "apply", "needs_cpu_device", "needs_triton_stub"]
 
 #: The triton-only module ``torchtitan.models.common`` imports at load time, and the names it takes from it.
 KERNELS_MODULE = "torchtitan.distributed.minimal_async_ep.kernels"
@@ -49,6 +50,7 @@ _DEVICE_MODULES = (
     "torchtitan.tools.profiler",
 )
 
+SHIMS = ("triton_kernels", "cpu_device")
 _applied: set[str] = set()
 
 
@@ -69,25 +71,19 @@ def applied() -> frozenset[str]:
     return frozenset(_applied)
 
 
-def _unavailable(name: str) -> types.FunctionType:
+def _unavailable(name: str) -> Callable[..., NoReturn]:
     def kernel(*args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(f"{name}: MinimalAsyncEP kernels need triton (CUDA); stubbed by cpu_shims")
 
     kernel.__name__ = name
-    return kernel  # type: ignore[return-value]
+    return kernel
 
 
 def _stub_triton_kernels() -> None:
-    if KERNELS_MODULE in sys.modules and KERNELS_MODULE not in _applied_modules:
-        return  # the real module is loaded: nothing to do
     stub = types.ModuleType(KERNELS_MODULE, "Stand-in for a triton-only module (pipelinerl_sdk_torchtitan.cpu_shims).")
     for name in KERNEL_NAMES:
         setattr(stub, name, _unavailable(name))
     sys.modules[KERNELS_MODULE] = stub
-    _applied_modules.add(KERNELS_MODULE)
-
-
-_applied_modules: set[str] = set()
 
 
 def _force_cpu_device() -> None:
@@ -101,12 +97,17 @@ def _force_cpu_device() -> None:
             module.device_module = torch.cpu
 
 
-def apply() -> frozenset[str]:
-    """Install every shim this machine needs (idempotent); returns the names of those in place."""
-    if needs_triton_stub() and "triton_kernels" not in _applied:
+def apply(names: Iterable[str] = SHIMS) -> frozenset[str]:
+    """Install the shims among ``names`` that this machine needs (idempotent; ``triton_kernels`` must
+    come before anything imports ``torchtitan.models``); returns the names of those in place."""
+    wanted = set(names)
+    unknown = wanted - set(SHIMS)
+    if unknown:
+        raise ValueError(f"unknown shims {sorted(unknown)} (known: {list(SHIMS)})")
+    if "triton_kernels" in wanted and "triton_kernels" not in _applied and needs_triton_stub():
         _stub_triton_kernels()
         _applied.add("triton_kernels")
-    if needs_cpu_device() and "cpu_device" not in _applied:
+    if "cpu_device" in wanted and "cpu_device" not in _applied and needs_cpu_device():
         _force_cpu_device()
         _applied.add("cpu_device")
     return applied()
