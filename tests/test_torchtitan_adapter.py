@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipelinerl_sdk.conformance.trainer import STEP_HPARAMS
 from pipelinerl_sdk.contracts import StepMetrics, TokenBatch, TrainerSpec
 from pipelinerl_sdk.rl.objectives import CompletionNLL
 from pipelinerl_sdk.trainer_group import RankContext, run_ranks
@@ -251,10 +252,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def specs(models: dict[str, Path]) -> dict[str, TrainerSpec]:
-    # As tests/test_fsdp_adapter.py: lr 1e-5 / eps 1e-6 keep rounding-noise gradients damped so 1e-6 tests
-    # the math; clipping at 300 is active (norm ~500).
+    # The conformance suite's step hyper-parameters (well-conditioned at 1e-6: eps 1e-3 damps the
+    # rounding-noise gradients, see pipelinerl_sdk.conformance.trainer), with clipping at 300 active
+    # (norm ~500). With eps 1e-6 the tiny Llama differed by 4.5e-6 between one batch and 2x2 micro-batches.
+    hp = {**STEP_HPARAMS, "grad_clip": 300.0}
     return {
-        arch: TrainerSpec(model=str(path), lr=1e-5, eps=1e-6, weight_decay=0.01, grad_clip=300.0, seed=0)
+        arch: TrainerSpec(model=str(path), seed=0, **hp)  # type: ignore[arg-type]
         for arch, path in models.items()
     }
 
@@ -311,7 +314,8 @@ def test_bf16_mixed_precision_trains(runs: dict[Any, dict[str, Any]]) -> None:
     assert float(delta.abs().max()) > 1e-6  # it stepped
     assert float(torch.nn.functional.cosine_similarity(delta, want, dim=0)) > 0.9
     for i, lp in out["logprobs"].items():  # bf16 logits: close to fp32, returned as float32
-        assert lp.dtype == torch.float32 and float((lp - fp32["logprobs"][i]).abs().max()) < 0.1
+        # logprobs here reach -22: one bf16 ulp there is 0.125; allow two (seen: 0.102 max)
+        assert lp.dtype == torch.float32 and float((lp - fp32["logprobs"][i]).abs().max()) < 0.25
 
 
 # --- the standard suite on the Qwen3 and Llama checkpoints -------------------------------------------

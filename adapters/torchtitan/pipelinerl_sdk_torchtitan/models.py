@@ -30,7 +30,7 @@ from torchtitan.models.common import CosSinRoPE  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.rope import ComplexRoPE  # noqa: E402
 
-__all__ = ["FAMILIES", "Qwen2StateDictAdapter", "model_spec", "rope_theta"]
+__all__ = ["FAMILIES", "Qwen2StateDictAdapter", "model_spec", "rope_theta", "set_tp_sharding"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -168,6 +168,19 @@ def model_spec(hf_config: Any) -> Any:
         layers=layers,
     )
     return dataclasses.replace(base, flavor=f"hf:{family}", model=config, state_dict_adapter=adapter)
+
+
+def set_tp_sharding(mspec: Any) -> None:
+    """Fill the family's tensor-parallel sharding config on ``mspec.model`` (no sequence parallel, no
+    expert parallel), what TorchTitan's trainer does in ``update_from_config`` before building."""
+    if mspec.name == "llama3":
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(mspec.model, enable_sp=False)
+    else:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(mspec.model, enable_sp=False, enable_ep=False)
 
 
 class Qwen2StateDictAdapter(qwen3.Qwen3StateDictAdapter):  # type: ignore[misc]

@@ -67,7 +67,7 @@ from pipelinerl_sdk.contracts import (  # noqa: E402
 from pipelinerl_sdk.protocol import ParamSpec  # noqa: E402
 from pipelinerl_sdk.weights.tensors import spec_of  # noqa: E402
 from pipelinerl_sdk_torchtitan.capabilities import CAPABILITIES  # noqa: E402
-from pipelinerl_sdk_torchtitan.models import model_spec  # noqa: E402
+from pipelinerl_sdk_torchtitan.models import model_spec, set_tp_sharding  # noqa: E402
 
 __all__ = ["TorchTitanTrainer", "read_hf_checkpoint", "titan_token_logprobs"]
 
@@ -151,6 +151,8 @@ class TorchTitanTrainer(TrainerBackend):
 
         hf_config = AutoConfig.from_pretrained(spec.model)
         mspec = model_spec(hf_config)
+        if tp > 1:
+            set_tp_sharding(mspec)
         with torch.device("meta"):
             model = mspec.model.build()
 
