@@ -143,9 +143,8 @@ def test_plugin_imports_no_engine_and_registers_the_backend() -> None:
 
 
 def test_unsupported_family_is_refused(tmp_path: Path) -> None:
-    from transformers import GPT2Config
-
     from pipelinerl_sdk_torchtitan.models import model_spec
+    from transformers import GPT2Config
 
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         model_spec(GPT2Config())
@@ -205,10 +204,9 @@ def _plain_titan(spec: TrainerSpec, steps: int) -> tuple[dict[str, torch.Tensor]
     ``from_hf`` through ``load_state_dict`` (TorchTitan's own QKV merge hook), whole batch per step,
     torch AdamW, ``clip_grad_norm_``. Returns params under HF names (``state_dict()`` then ``to_hf``),
     grad norms, and the logprobs after the steps."""
-    from transformers import AutoConfig
-
     from pipelinerl_sdk_torchtitan.models import model_spec
     from pipelinerl_sdk_torchtitan.trainer import read_hf_checkpoint, titan_token_logprobs
+    from transformers import AutoConfig
 
     mspec = model_spec(AutoConfig.from_pretrained(spec.model))
     model = mspec.model.build()
