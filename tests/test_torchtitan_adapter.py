@@ -352,3 +352,43 @@ def test_conformance_suite_on_qwen3_and_llama(
     assert suite is not None
     counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
     assert counts == {"tests": 9, "failures": 0, "errors": 0, "skipped": 0}, counts
+
+
+# --- tensor parallel (experimental option) -------------------------------------------------------------
+
+
+def _tp_job(ctx: RankContext, args: tuple[Path, int]) -> dict[str, Any]:
+    from pipelinerl_sdk_torchtitan.trainer import TorchTitanTrainer
+
+    from pipelinerl_sdk.conformance.trainer import CollectingSink, fixed_batch, step_spec
+
+    model, tp = args
+    trainer = TorchTitanTrainer()
+    trainer.init(replace(step_spec(model), options={"tensor_parallel": tp}))
+    batch = fixed_batch(model, 0)  # the same batch on every rank: TP ranks share their inputs
+    logprobs = trainer.forward(batch)
+    trainer.backward(batch, CompletionNLL(len(batch)))
+    norm = trainer.step().grad_norm
+    sink = CollectingSink() if ctx.is_main else None
+    trainer.gather_and_broadcast(sink)
+    trainer.close()
+    return {"logprobs": logprobs, "norm": norm, "params": sink.tensors if sink is not None else None}
+
+
+def test_tensor_parallel_2_equals_world_size_1(tmp_path: Path) -> None:
+    """``tensor_parallel=2`` on two ranks (TorchTitan's TP plan for Qwen3, over gloo), both ranks on the
+    same batch: forward, step and gathered params equal one rank without TP. Needs a model whose KV
+    heads split over 2 ranks (the bench preset: 4 KV heads); the tiny preset (1 KV head) is refused."""
+    from pipelinerl_sdk.conformance.trainer import PARAM_ATOL
+    from pipelinerl_sdk.reference.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "bench-qwen3", preset="bench", arch="qwen3")
+    (ref,) = run_ranks(1, _tp_job, (model, 1), timeout_s=600)
+    tp = run_ranks(2, _tp_job, (model, 2), timeout_s=600)
+    for out in tp:
+        assert max(float((a - b).abs().max()) for a, b in zip(out["logprobs"], ref["logprobs"], strict=True)) <= 1e-4
+        assert abs(out["norm"] - ref["norm"]) <= 1e-5 * ref["norm"]
+    assert _max_diff(tp[0]["params"], ref["params"]) <= PARAM_ATOL
+    tiny = build_tiny_model(tmp_path / "tiny-qwen3", arch="qwen3")
+    with pytest.raises(Exception, match="must divide num_key_value_heads=1"):
+        run_ranks(2, _tp_job, (tiny, 2), timeout_s=300)

@@ -31,7 +31,9 @@ Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend
 Options (``TrainerSpec.options``): ``mixed_precision="bf16"`` (TorchTitan's
 ``mixed_precision_param="bfloat16"``: bf16 compute, fp32 master weights and gradient reduction);
 ``tensor_parallel`` (TP degree,
-default 1: see README, not supported by this backend's data contract yet).
+default 1; experimental: every rank of a TP group must pass the *same* batch, and gradients are then
+summed over the data-parallel ranks only, so the standard world-size checks do not apply; it must
+divide ``num_key_value_heads``).
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ def titan_token_logprobs(model: torch.nn.Module, input_ids: Sequence[Sequence[in
     ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long, device=device)
     for i, s in enumerate(input_ids):
         ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
-    logits = model(ids).float()
+    logits = model(ids)
+    if isinstance(logits, DTensor):  # tensor parallel: the lm_head's output is sharded over vocab
+        logits = logits.full_tensor()
+    logits = logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return [logp[i, : len(s) - 1] for i, s in enumerate(input_ids)]
 
@@ -140,6 +145,9 @@ class TorchTitanTrainer(TrainerBackend):
         if mp not in _MIXED_PRECISION:
             raise ValueError(f"options.mixed_precision: {mp!r} not supported (use 'bf16' or leave unset)")
         tp = int(spec.options.get("tensor_parallel", 1))
+        n_kv = getattr(AutoConfig.from_pretrained(spec.model), "num_key_value_heads", None)
+        if tp > 1 and n_kv is not None and n_kv % tp:
+            raise ValueError(f"options.tensor_parallel={tp} must divide num_key_value_heads={n_kv}")
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
             self._own_group = True
