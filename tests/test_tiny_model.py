@@ -127,3 +127,34 @@ def test_peaked_next_token_distribution(tiny_dir: Path) -> None:
     # Default init gives logits of std ~0.2; the rescaled lm_head gives ~4.
     assert 2.0 < logits.std(dim=-1).mean().item() < 8.0
     assert logits.log_softmax(-1).max(dim=-1).values.mean().item() > -2.0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_other_architectures(tmp_path: Path, arch: str) -> None:
+    """``arch`` builds the same sizes in another family (for trainers that model only those), with
+    the same tokenizer, deterministically, reloading exactly."""
+    path = build_tiny_model(tmp_path / arch, seed=1, arch=arch)
+    model, tokenizer = load_model(path)
+    qwen2 = preset_config("tiny", len(tokenizer))
+    assert model.config.model_type == arch
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert getattr(model.config, field) == getattr(qwen2, field), field
+    assert model.config.head_dim == 64 and model.config.tie_word_embeddings is False
+    assert not any(n.endswith(".bias") for n in load_file(path / "model.safetensors"))
+    again = load_file(build_tiny_model(tmp_path / "again", seed=1, arch=arch) / "model.safetensors")
+    stored = load_file(path / "model.safetensors")
+    assert stored.keys() == again.keys() and all(torch.equal(stored[k], again[k]) for k in stored)
+    assert all(torch.equal(stored[k], v) for k, v in model.state_dict().items() if k in stored)
+
+
+def test_default_arch_is_qwen2_as_before(tmp_path: Path) -> None:
+    """The default stays a Qwen2ForCausalLM drawn exactly as ``Qwen2ForCausalLM(config)`` draws it."""
+    path = build_tiny_model(tmp_path / "q2", seed=0)
+    config = preset_config("tiny", len(build_tokenizer()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        direct = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    stored = load_file(path / "model.safetensors")
+    assert all(torch.equal(stored[k], v) for k, v in direct.state_dict().items() if k != "lm_head.weight")
+    with pytest.raises(ValueError, match="unknown arch"):
+        preset_config("tiny", 512, arch="gpt2")

@@ -1,7 +1,10 @@
-"""Tiny offline Qwen2 models and a ChatML byte-level BPE tokenizer for tests and benchmarks.
+"""Tiny offline models (Qwen2 by default; Qwen3 or Llama on request) and a ChatML byte-level BPE
+tokenizer for tests and benchmarks.
 
 Nothing here touches a model hub: the tokenizer is trained with ``tokenizers`` on a corpus
-generated in code, and the model is a randomly initialised ``Qwen2ForCausalLM``.
+generated in code, and the model is a randomly initialised ``Qwen2ForCausalLM`` (or
+``Qwen3ForCausalLM`` / ``LlamaForCausalLM``: ``arch=``, for trainers such as TorchTitan that model
+those families) of a preset's sizes.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
-    Qwen2ForCausalLM,
+    Qwen3Config,
 )
 
 __all__ = [
+    "ARCHS",
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
     "IM_START",
@@ -54,6 +60,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+#: Architectures a tiny model can have (``config.model_type``); the preset gives the sizes.
+ARCHS = ("qwen2", "qwen3", "llama")
 
 _WORDS_TEXT = (
     "the a an one two three cat dog bird fish model token answer question number sum is was are "
@@ -168,31 +177,46 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
 
 
-def preset_config(preset: str, vocab_size: int, *, eos_token_id: int = 2, pad_token_id: int = 0) -> Qwen2Config:
-    """The ``Qwen2Config`` of a preset (untied embeddings, no sliding window)."""
+def preset_config(
+    preset: str, vocab_size: int, *, eos_token_id: int = 2, pad_token_id: int = 0, arch: str = "qwen2"
+) -> PretrainedConfig:
+    """The config of a preset: ``Qwen2Config`` (untied embeddings, no sliding window), or with
+    ``arch="qwen3"`` / ``"llama"`` a ``Qwen3Config`` / ``LlamaConfig`` of the same sizes (head_dim
+    ``hidden_size // num_attention_heads``, no attention bias, untied, default RoPE)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {list(ARCHS)}")
     p = PRESETS[preset]
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        max_position_embeddings=p.max_position_embeddings,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "max_position_embeddings": p.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+    }
+    if arch == "llama":
+        return LlamaConfig(**common, head_dim=p.hidden_size // p.num_attention_heads, attention_bias=False)
+    if arch == "qwen3":
+        return Qwen3Config(
+            **common, head_dim=p.hidden_size // p.num_attention_heads, attention_bias=False, use_sliding_window=False
+        )
+    return Qwen2Config(**common, use_sliding_window=False)
 
 
-def build_tiny_model(path: str | Path, *, preset: str = "tiny", dtype: str = "float32", seed: int = 0) -> Path:
-    """Write a randomly initialised Qwen2 model (safetensors) and its tokenizer into ``path``.
+def build_tiny_model(
+    path: str | Path, *, preset: str = "tiny", dtype: str = "float32", seed: int = 0, arch: str = "qwen2"
+) -> Path:
+    """Write a randomly initialised model (Qwen2, or ``arch``: see :func:`preset_config`; safetensors)
+    and its tokenizer into ``path``.
 
-    Deterministic for a given ``(preset, dtype, seed)``; the global torch RNG is left untouched.
+    Deterministic for a given ``(preset, dtype, seed, arch)``; the global torch RNG is left untouched.
     The lm_head is re-drawn with std ``logit_std / sqrt(hidden_size)``: the final RMSNorm gives
     unit-RMS hidden states, so logits then have std ~``logit_std`` (4 nats) instead of ~0.2 at
     the default init. A peaked next-token distribution keeps greedy decoding away from near-ties,
@@ -208,10 +232,10 @@ def build_tiny_model(path: str | Path, *, preset: str = "tiny", dtype: str = "fl
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     assert isinstance(eos_id, int) and isinstance(pad_id, int)
-    config = preset_config(preset, len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id)
+    config = preset_config(preset, len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id, arch=arch)
     with torch.random.fork_rng(devices=[]):  # seed locally; the caller's RNG state is restored
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         with torch.no_grad():
             std = PRESETS[preset].logit_std / math.sqrt(config.hidden_size)
             model.lm_head.weight.normal_(0.0, std)
