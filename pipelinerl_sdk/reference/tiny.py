@@ -13,6 +13,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -188,7 +189,7 @@ def preset_config(
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {list(ARCHS)}")
     p = PRESETS[preset]
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": p.hidden_size,
         "intermediate_size": p.intermediate_size,
@@ -239,7 +240,7 @@ def build_tiny_model(
         with torch.no_grad():
             std = PRESETS[preset].logit_std / math.sqrt(config.hidden_size)
             model.lm_head.weight.normal_(0.0, std)
-    model = model.to(_DTYPES[dtype])  # type: ignore[arg-type]  # transformers types .to oddly
+    model = model.to(_DTYPES[dtype])
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out, safe_serialization=True)
