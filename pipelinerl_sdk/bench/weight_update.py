@@ -19,6 +19,11 @@ second. Tokens count only requests that finish inside a window. ``under_load`` h
 of the updates published during the second window. Updates resend the trainer's unchanged weights
 (the transfer and apply are the same work); versions increase strictly across the whole run.
 
+Anchor: when the backend's adapter registers its engine's own update flow (entry-point group
+``pipelinerl_sdk.bench_anchors``, e.g. SGLang's plain ``/update_weights_from_distributed``
+sequence), it runs after the server above has stopped, on the same model, and every mode gains
+``update_over_native_anchor`` (the SDK's update wall time over the engine's own).
+
 Threads: 2 cores are shared by the server's engine, its receiver, the trainer's sender and the
 load generator. By default this process runs with ``torch.set_num_threads(1)`` and the reference
 server with ``--option threads=1``, so the two sides do not oversubscribe the cores, and
@@ -43,7 +48,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +134,15 @@ def run_weight_update_bench(
                         memcpy_threads=memcpy_threads,
                     )
                 )
+            # The engine's own update flow, when its adapter registers one (after the server
+            # above has stopped: one engine at a time).
+            anchor = native_anchor(backend)
+            if anchor is not None:
+                result["native_anchor"] = anchor(path, dtype="float32", updates=updates)
+                native_s = result["native_anchor"]["update_wall_s"]
+                for figures in result["modes"].values():
+                    if "update_wall_s" in figures:
+                        figures["update_over_native_anchor"] = figures["update_wall_s"] / native_s
         finally:
             torch.set_num_threads(previous_threads)
     result["config"].update(
@@ -141,6 +155,23 @@ def run_weight_update_bench(
         wall_s=time.perf_counter() - started,
     )
     return result
+
+
+#: Entry-point group where an adapter may register its engine's own update flow as the benchmark's
+#: anchor: ``name = "module:function"`` with the backend's name, ``function(model_dir, *, dtype,
+#: updates) -> dict`` holding at least ``update_wall_s`` (median seconds of one update).
+ANCHOR_GROUP = "pipelinerl_sdk.bench_anchors"
+
+
+def native_anchor(backend: str) -> Callable[..., dict[str, Any]] | None:
+    """The anchor registered for ``backend``, or None."""
+    from importlib import metadata
+
+    for ep in metadata.entry_points(group=ANCHOR_GROUP):
+        if ep.name == backend:
+            fn: Callable[..., dict[str, Any]] = ep.load()
+            return fn
+    return None
 
 
 async def _bench(

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
-from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed, UpdateRejected
+from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -49,7 +49,15 @@ from pipelinerl_sdk.protocol import (
     Usage,
     WeightUpdateRequest,
 )
-from pipelinerl_sdk_sglang.engine import SGLangClient, SGLangError, SGLangProcess, free_port, launch_args, new_api_key
+from pipelinerl_sdk_sglang.engine import (
+    SGLangClient,
+    SGLangError,
+    SGLangProcess,
+    free_port,
+    launch_args,
+    launch_env,
+    new_api_key,
+)
 from pipelinerl_sdk_sglang.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_sglang")
@@ -66,6 +74,8 @@ OPTIONS = {
     "startup_timeout_s": "seconds SGLang may take to start (default 600)",
     "log_level": "SGLang's log level (default warning)",
     "sglang_args": "extra sglang.launch_server arguments, space-separated",
+    "sglang_url": "attach to this running SGLang server instead of starting one (benchmarks; not stopped)",
+    "sglang_api_key": "the attached server's --api-key",
 }
 
 
@@ -177,17 +187,18 @@ class SGLangInferenceBackend(InferenceBackend):
             context_length=self._context,
             options=self._opts,
         )
-        # Raw model logprobs (before temperature), as the contract reports them.
-        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-        if device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's switch for its CPU engine
-        self._proc = SGLangProcess(args, port=port, env=env)
-        self._sgl = SGLangClient(self._proc.url, api_key)
+        env = launch_env(device)
         t0 = time.perf_counter()
-        self._proc.start()
-        print(f"pipelinerl: starting SGLang ({device}); log {self._proc.log_path}", flush=True)
+        if "sglang_url" in self._opts:  # attached: someone else runs (and stops) SGLang
+            self._sgl = SGLangClient(self._opts["sglang_url"], self._opts.get("sglang_api_key", ""))
+        else:
+            self._proc = SGLangProcess(args, port=port, env=env)
+            self._sgl = SGLangClient(self._proc.url, api_key)
+            self._proc.start()
+            print(f"pipelinerl: starting SGLang ({device}); log {self._proc.log_path}", flush=True)
         try:
-            await self._proc.wait_ready(self._sgl, float(self._opts.get("startup_timeout_s", "600")))
+            if self._proc is not None:
+                await self._proc.wait_ready(self._sgl, float(self._opts.get("startup_timeout_s", "600")))
             await self._sgl.generate(
                 {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
             )

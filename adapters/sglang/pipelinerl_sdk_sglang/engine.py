@@ -78,6 +78,15 @@ def launch_args(
     return args
 
 
+def launch_env(device: str) -> dict[str, str]:
+    """Environment for SGLang: raw model logprobs (before temperature, as the contract reports
+    them), and SGLang's own switch for its CPU engine on ``device == "cpu"``."""
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    return env
+
+
 class SGLangProcess:
     """One ``sglang.launch_server`` child on 127.0.0.1:``port``. Its output goes to a log file
     (``log_path``) whose tail is quoted in start-up errors."""

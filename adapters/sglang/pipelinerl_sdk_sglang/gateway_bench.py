@@ -1,0 +1,111 @@
+"""Where the SDK's routes sit in front of SGLang, decided by measurement (not a test).
+
+``python -m pipelinerl_sdk_sglang.gateway_bench --model PATH [--seconds 20] [--concurrency 8]``
+starts one SGLang server (as the adapter would) and the adapter's gateway attached to it, then
+runs the same chat load (``max_tokens`` 32, temperature 1, ``ignore_eos``) in alternating windows
+against:
+
+- ``in_process``: SGLang's own ``/v1/chat/completions``, served inside SGLang's server process
+  (chat template + ``TokenizerManager.generate_request``): the path routes mounted inside SGLang
+  would take, without the extra hop;
+- ``gateway``: the SDK's ``/v1/chat/completions`` in the gateway process, which forwards to
+  SGLang's ``/generate`` (one more local HTTP hop, JSON both ways, tokenisation in the gateway).
+
+Prints one JSON object: completion tokens/s per target (median over windows) and
+``gateway_over_in_process``. Tokens count only requests that finish inside a window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+import httpx
+
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk_sglang.engine import SGLangClient, SGLangProcess, free_port, launch_args, launch_env, new_api_key
+
+
+async def _window(url: str, headers: dict[str, str], body: dict[str, Any], concurrency: int, seconds: float) -> float:
+    """Completion tokens/s of requests finishing within ``seconds`` after a 1 s ramp."""
+    loop = asyncio.get_running_loop()
+    finished: list[tuple[float, int]] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+
+        async def worker(i: int) -> None:
+            while not stop.is_set():
+                r = await http.post("/v1/chat/completions", json={**body, "seed": i})
+                r.raise_for_status()
+                finished.append((loop.time(), int(r.json()["usage"]["completion_tokens"])))
+
+        tasks = [asyncio.create_task(worker(i)) for i in range(concurrency)]
+        await asyncio.sleep(1.0)
+        t0 = loop.time()
+        await asyncio.sleep(seconds)
+        t1 = loop.time()
+        stop.set()
+        await asyncio.gather(*tasks)
+    return sum(n for t, n in finished if t0 <= t < t1) / (t1 - t0)
+
+
+async def _measure(
+    sgl_url: str, sgl_key: str, gw: ServerProcess, model: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "What is 12 + 7? Answer with digits."}]
+    body = {"messages": messages, "max_tokens": 32, "temperature": 1.0, "ignore_eos": True}
+    targets = {
+        "in_process": (sgl_url, {"Authorization": f"Bearer {sgl_key}"}, {**body, "model": model}),
+        "gateway": (gw.url, {}, body),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in targets}
+    for _ in range(args.rounds):
+        for name, (url, headers, b) in targets.items():
+            rates[name].append(await _window(url, headers, b, args.concurrency, args.seconds))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "tokens_per_s": med,
+        "tokens_per_s_samples": rates,
+        "gateway_over_in_process": med["gateway"] / med["in_process"],
+        "config": {"seconds": args.seconds, "rounds": args.rounds, "concurrency": args.concurrency, "max_tokens": 32},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipelinerl_sdk_sglang.gateway_bench", description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=8)
+    args = p.parse_args(argv)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    key, port = new_api_key(), free_port()
+    opts: dict[str, str] = {}
+    cmd = launch_args(
+        args.model, dtype=args.dtype, port=port, api_key=key, device=device, context_length=2048, options=opts
+    )
+    sgl = SGLangProcess(cmd, port=port, env=launch_env(device))
+    sgl.start()
+    try:
+        client = SGLangClient(sgl.url, key)
+        t0 = time.perf_counter()
+        asyncio.run(sgl.wait_ready(client, 600))
+        print(f"SGLang up in {time.perf_counter() - t0:.0f}s", flush=True)
+        options = {"sglang_url": sgl.url, "sglang_api_key": key}
+        with ServerProcess("sglang", args.model, dtype=args.dtype, options=options) as gw:
+            result = asyncio.run(_measure(sgl.url, key, gw, args.model, args))
+    finally:
+        sgl.stop()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
