@@ -11,8 +11,11 @@ against:
 - ``gateway``: the SDK's ``/v1/chat/completions`` in the gateway process, which forwards to
   SGLang's ``/generate`` (one more local HTTP hop, JSON both ways, tokenisation in the gateway).
 
-Prints one JSON object: completion tokens/s per target (median over windows) and
-``gateway_over_in_process``. Tokens count only requests that finish inside a window.
+Windows alternate ABBA over ``rounds`` so slow drift cancels; each reports the share of the
+machine's CPU used by other processes (``foreign_cpu_frac``). Prints one JSON object: completion
+tokens/s per target (median over windows), ``gateway_over_in_process`` (ratio of medians and
+median of paired ratios), and the median latency of a 1-token request sent alone through each
+path (the hop's own cost). Tokens count only requests that finish inside a window.
 """
 
 from __future__ import annotations
@@ -31,20 +34,33 @@ from pipelinerl_sdk_sglang.engine import SGLangClient, SGLangProcess, free_port,
 
 
 async def _window(url: str, headers: dict[str, str], body: dict[str, Any], concurrency: int, seconds: float) -> float:
-    """Completion tokens/s of requests finishing within ``seconds`` after a 1 s ramp."""
+    """Completion tokens/s of requests finishing within ``seconds``, once every worker is phased."""
     loop = asyncio.get_running_loop()
     finished: list[tuple[float, int]] = []
     stop = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+        phased = 0
+        all_phased = asyncio.Event()
 
         async def worker(i: int) -> None:
+            # The first request is shorter by i/concurrency of a request: finishes spread evenly
+            # instead of arriving in waves of ``concurrency`` (which would quantise the windows).
+            nonlocal phased
+            first = max(1, i * body["max_tokens"] // concurrency)
+            n = 0
             while not stop.is_set():
-                r = await http.post("/v1/chat/completions", json={**body, "seed": i})
+                b = {**body, "seed": i} if n else {**body, "seed": i, "max_tokens": first}
+                r = await http.post("/v1/chat/completions", json=b)
                 r.raise_for_status()
                 finished.append((loop.time(), int(r.json()["usage"]["completion_tokens"])))
+                n += 1
+                if n == 1:
+                    phased += 1
+                    if phased == concurrency:
+                        all_phased.set()
 
         tasks = [asyncio.create_task(worker(i)) for i in range(concurrency)]
-        await asyncio.sleep(1.0)
+        await asyncio.wait_for(all_phased.wait(), 300)
         t0 = loop.time()
         await asyncio.sleep(seconds)
         t1 = loop.time()
@@ -53,24 +69,57 @@ async def _window(url: str, headers: dict[str, str], body: dict[str, Any], concu
     return sum(n for t, n in finished if t0 <= t < t1) / (t1 - t0)
 
 
+async def _latency(url: str, headers: dict[str, str], body: dict[str, Any], n: int) -> float:
+    """Median seconds of one 1-token request, sent one at a time (the per-request hop cost)."""
+    times = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+        for i in range(n + 1):
+            t0 = time.perf_counter()
+            r = await http.post("/v1/chat/completions", json={**body, "max_tokens": 1, "seed": i})
+            r.raise_for_status()
+            if i:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _tree(pid: int) -> list[int]:
+    import psutil
+
+    return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+
+
 async def _measure(
-    sgl_url: str, sgl_key: str, gw: ServerProcess, model: str, args: argparse.Namespace
+    sgl: SGLangProcess, sgl_key: str, gw: ServerProcess, model: str, args: argparse.Namespace
 ) -> dict[str, Any]:
+    from pipelinerl_sdk.bench.weight_update import _CpuMeter
+
+    assert sgl.proc is not None
+    meter = _CpuMeter([*_tree(sgl.proc.pid), *_tree(gw.pid)])
     messages = [{"role": "user", "content": "What is 12 + 7? Answer with digits."}]
     body = {"messages": messages, "max_tokens": 32, "temperature": 1.0, "ignore_eos": True}
     targets = {
-        "in_process": (sgl_url, {"Authorization": f"Bearer {sgl_key}"}, {**body, "model": model}),
+        "in_process": (sgl.url, {"Authorization": f"Bearer {sgl_key}"}, {**body, "model": model}),
         "gateway": (gw.url, {}, body),
     }
     rates: dict[str, list[float]] = {k: [] for k in targets}
-    for _ in range(args.rounds):
-        for name, (url, headers, b) in targets.items():
+    foreign: dict[str, list[float | None]] = {k: [] for k in targets}
+    for r in range(args.rounds):
+        order = list(targets) if r % 2 == 0 else list(reversed(targets))  # ABBA: drift cancels
+        for name in order:
+            url, headers, b = targets[name]
+            c0 = meter.sample()
             rates[name].append(await _window(url, headers, b, args.concurrency, args.seconds))
+            foreign[name].append(_CpuMeter.foreign_frac(c0, meter.sample()))
+    latency = {name: await _latency(url, headers, b, 20) for name, (url, headers, b) in targets.items()}
+    ratios = [g / i for g, i in zip(rates["gateway"], rates["in_process"], strict=True) if i > 0]
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {
         "tokens_per_s": med,
-        "tokens_per_s_samples": rates,
         "gateway_over_in_process": med["gateway"] / med["in_process"],
+        "gateway_over_in_process_paired_median": statistics.median(ratios),
+        "one_token_latency_s": latency,
+        "tokens_per_s_samples": rates,
+        "foreign_cpu_frac_samples": foreign,
         "config": {"seconds": args.seconds, "rounds": args.rounds, "concurrency": args.concurrency, "max_tokens": 32},
     }
 
@@ -79,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelinerl_sdk_sglang.gateway_bench", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--seconds", type=float, default=15.0)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=12.0)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--concurrency", type=int, default=8)
     args = p.parse_args(argv)
     import torch
@@ -100,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SGLang up in {time.perf_counter() - t0:.0f}s", flush=True)
         options = {"sglang_url": sgl.url, "sglang_api_key": key}
         with ServerProcess("sglang", args.model, dtype=args.dtype, options=options) as gw:
-            result = asyncio.run(_measure(sgl.url, key, gw, args.model, args))
+            result = asyncio.run(_measure(sgl, key, gw, args.model, args))
     finally:
         sgl.stop()
     print(json.dumps(result))
