@@ -309,10 +309,10 @@ class SGLangInferenceBackend(InferenceBackend):
         await self._await_go(key, req.timeout_s)
         self._decisions.clear(key)
         paused_at = time.perf_counter()
-        await sgl.control("/pause_generation", {"mode": "in_place"})
         session = snapshot = loaded = False
         receive_s = 0.0
         try:
+            await sgl.control("/pause_generation", {"mode": "in_place"})
             await sgl.control("/begin_weight_update", {})
             session = True
             if self._atomic and len(plan.buckets) > 1:

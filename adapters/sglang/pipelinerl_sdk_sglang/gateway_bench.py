@@ -15,7 +15,10 @@ Windows alternate ABBA over ``rounds`` so slow drift cancels; each reports the s
 machine's CPU used by other processes (``foreign_cpu_frac``). Prints one JSON object: completion
 tokens/s per target (median over windows), ``gateway_over_in_process`` (ratio of medians and
 median of paired ratios), and the median latency of a 1-token request sent alone through each
-path (the hop's own cost). Tokens count only requests that finish inside a window.
+path (the hop's own cost). On a shared machine the windows' throughput is noisy; the CPU
+accounting is not: ``cpu_s_per_1k_tokens`` (SGLang's processes and the gateway's, per target)
+and ``gateway_cpu_share``, the gateway's share of the CPU the serving processes used, which bounds
+what the gateway can cost a CPU-bound host. Tokens count only requests that finish inside a window.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ import httpx
 
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk_sglang.engine import SGLangClient, SGLangProcess, free_port, launch_args, launch_env, new_api_key
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` (Linux ``/proc``)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 async def _window(url: str, headers: dict[str, str], body: dict[str, Any], concurrency: int, seconds: float) -> float:
@@ -103,13 +119,21 @@ async def _measure(
     }
     rates: dict[str, list[float]] = {k: [] for k in targets}
     foreign: dict[str, list[float | None]] = {k: [] for k in targets}
+    sgl_pids, gw_pids = _tree(sgl.proc.pid), [gw.pid]
+    # CPU seconds per 1000 completion tokens, per process, over all of a target's windows.
+    cpu = {k: {"sglang": 0.0, "gateway": 0.0, "tokens": 0.0} for k in targets}
     for r in range(args.rounds):
         order = list(targets) if r % 2 == 0 else list(reversed(targets))  # ABBA: drift cancels
         for name in order:
             url, headers, b = targets[name]
-            c0 = meter.sample()
-            rates[name].append(await _window(url, headers, b, args.concurrency, args.seconds))
+            c0, s0, g0 = meter.sample(), _cpu_s(sgl_pids), _cpu_s(gw_pids)
+            rate = await _window(url, headers, b, args.concurrency, args.seconds)
+            rates[name].append(rate)
             foreign[name].append(_CpuMeter.foreign_frac(c0, meter.sample()))
+            # includes the phase-in and drain around the window: a ratio, not an absolute
+            cpu[name]["sglang"] += _cpu_s(sgl_pids) - s0
+            cpu[name]["gateway"] += _cpu_s(gw_pids) - g0
+            cpu[name]["tokens"] += rate * args.seconds
     latency = {name: await _latency(url, headers, b, 20) for name, (url, headers, b) in targets.items()}
     ratios = [g / i for g, i in zip(rates["gateway"], rates["in_process"], strict=True) if i > 0]
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -118,6 +142,10 @@ async def _measure(
         "gateway_over_in_process": med["gateway"] / med["in_process"],
         "gateway_over_in_process_paired_median": statistics.median(ratios),
         "one_token_latency_s": latency,
+        "cpu_s_per_1k_tokens": {
+            k: {p: v[p] * 1000 / v["tokens"] for p in ("sglang", "gateway")} for k, v in cpu.items() if v["tokens"]
+        },
+        "gateway_cpu_share": cpu["gateway"]["gateway"] / (cpu["gateway"]["gateway"] + cpu["gateway"]["sglang"]),
         "tokens_per_s_samples": rates,
         "foreign_cpu_frac_samples": foreign,
         "config": {"seconds": args.seconds, "rounds": args.rounds, "concurrency": args.concurrency, "max_tokens": 32},
