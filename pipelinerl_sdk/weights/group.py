@@ -38,7 +38,7 @@ class GroupConfig:
     timeout_s: float = 120.0
 
 
-def torch_group_store(store: dist.Store, group_name: str, backend: GroupBackend) -> dist.Store:
+def torch_group_store(store: Any, group_name: str, backend: GroupBackend) -> Any:
     """The store view a member of ``group_name`` forms its backend on: the layout torch's own
     group helper gives a group created over ``tcp://`` with that name (``rendezvous`` store ->
     ``PrefixStore(name)`` -> ``PrefixStore(name/)`` -> ``PrefixStore(device/)``), which is what an
@@ -56,7 +56,7 @@ class DecisionBoard:
     :meth:`connect` to wait for decisions in its own process, before it asks the engine to enter
     a collective."""
 
-    def __init__(self, store: dist.Store, group_name: str) -> None:
+    def __init__(self, store: Any, group_name: str) -> None:
         self._signals = dist.PrefixStore(f"{group_name}/sig", store)  # type: ignore[attr-defined]
 
     @classmethod

@@ -445,7 +445,7 @@ class SGLangInferenceBackend(InferenceBackend):
             raw = outs[0]["meta_info"].get("input_token_logprobs") or []
             if len(raw) != len(prompt_ids):
                 raise RuntimeError(f"SGLang returned {len(raw)} prompt logprobs for {len(prompt_ids)} prompt tokens")
-            prompt_lps = [None] + [None if e[0] is None else float(e[0]) for e in raw[1:]]
+            prompt_lps = [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
         return ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -499,7 +499,7 @@ def _hf_param_specs(model: str, dtype: str) -> list[ParamSpec]:
 
     cfg = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(cfg)
+        m = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     return [ParamSpec(name=n, dtype=dtype, shape=tuple(p.shape)) for n, p in m.named_parameters()]  # type: ignore[arg-type]
 
 

@@ -63,7 +63,7 @@ def probe(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     from torch.distributed.distributed_c10d import _world
 
     ((group_name, count),) = named_tensors
-    groups = {name: pg for pg, name in _world.pg_names.items()}
+    groups = {str(name): pg for pg, name in _world.pg_names.items()}
     if group_name not in groups:
         raise RuntimeError(f"no weight-update group {group_name!r} in this SGLang process")
     pg = groups[group_name]
