@@ -282,3 +282,27 @@ def test_generation_waits_for_a_direct_receive(
             await pub.close()
 
     run(body)
+
+
+# --- the probe: one flat broadcast received by SGLang's own group, then dropped --------------------
+
+
+@requires_sglang
+def test_probe_broadcast_is_received_by_sglang(sglang_server: ServerProcess) -> None:
+    """``/probe_broadcast`` runs a receive inside SGLang's scheduler on SGLang's group (a hook
+    carrying no tensor data); the server keeps its version and serves right after."""
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client])
+            await pub.connect()
+            before = (await client.info()).version
+            send_s, by_url = await pub.probe(4 << 20)
+            assert send_s > 0 and by_url[sglang_server.url] > 0
+            info = await client.info()
+            assert info.version == before and info.group is not None and not info.group.broken
+            resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
+            assert set(resp.choices[0].weight_versions) == {before}
+            await pub.close()
+
+    run(body)

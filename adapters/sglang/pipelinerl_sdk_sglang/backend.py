@@ -377,7 +377,7 @@ class SGLangInferenceBackend(InferenceBackend):
             raise PluginError(f"update failed after some buckets were loaded (option atomic=0): {cause}") from cause
 
     async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:
-        import torch
+        from pipelinerl_sdk_sglang.scheduler_hooks import probe_request
 
         if self._group is None:
             raise GroupError("no weight-update group: call /init_process_group first")
@@ -388,7 +388,7 @@ class SGLangInferenceBackend(InferenceBackend):
             await sgl.control("/begin_weight_update", {})
             try:
                 t0 = time.perf_counter()
-                await sgl.call_hook("probe", [(self._group.group_name, torch.tensor([req.nbytes]))], self._tp)
+                await sgl.call_hook("probe", probe_request(self._group.group_name, req.nbytes), self._tp)
                 return time.perf_counter() - t0
             finally:
                 await sgl.control("/end_weight_update", {})

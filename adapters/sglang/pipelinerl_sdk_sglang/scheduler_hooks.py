@@ -13,6 +13,9 @@ paused by the adapter. The adapter uses that door for what SGLang's distributed 
 - :func:`probe`: receive one flat broadcast on the weight-update group and drop it (the SDK's
   ``/probe_broadcast``), to measure the link with SGLang's own receiver.
 
+Payloads carry no tensor data (see :func:`probe_request`): SGLang's scheduler unpickles them with
+torch's shared-memory reductions, which fail (and kill the scheduler) across unrelated processes.
+
 Nothing here is imported by the adapter's gateway process; keep it free of SDK imports except
 pure-Python ones, and of state other than the snapshot.
 """
@@ -57,18 +60,25 @@ def discard(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> Non
     _SNAPSHOTS.pop(id(model), None)
 
 
+def probe_request(group_name: str, nbytes: int) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` of a :func:`probe` call. Everything travels in the name: the tensor
+    is empty because SGLang unpickles tensors with torch's shared-memory reductions, which cannot
+    cross into an unrelated process (the scheduler dies on them); an empty one pickles by value."""
+    return [(f"{group_name}|{nbytes}", torch.empty(0, dtype=torch.uint8))]
+
+
 def probe(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
-    """Receive one flat broadcast from rank 0 of the group named by the one tensor's name
-    (``"<group name>"``; the tensor holds the byte count) and drop it."""
+    """Receive one flat broadcast of the requested size from rank 0 of the named group (see
+    :func:`probe_request`) and drop it."""
     from torch.distributed.distributed_c10d import _world
 
-    ((group_name, count),) = named_tensors
+    ((request, _),) = named_tensors
+    group_name, nbytes = request.rsplit("|", 1)
     groups = {str(name): pg for pg, name in _world.pg_names.items()}
     if group_name not in groups:
         raise RuntimeError(f"no weight-update group {group_name!r} in this SGLang process")
-    pg = groups[group_name]
     device = next(model.parameters()).device
-    buf = torch.empty(int(count.reshape(-1)[0].item()), dtype=torch.uint8, device=device)
+    buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
     t0 = time.perf_counter()
-    torch.distributed.broadcast(buf, src=0, group=pg)
+    torch.distributed.broadcast(buf, src=0, group=groups[group_name])
     LAST_PROBE_S[:] = [time.perf_counter() - t0]
