@@ -370,13 +370,30 @@ class _CpuMeter:
         self.pids = list(pids)
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
+    @staticmethod
+    def _tree(pid: int) -> list[int]:
+        """``pid`` and its descendants (a server may run its engine in child processes)."""
+        found, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            found.append(p)
+            try:
+                for task in os.listdir(f"/proc/{p}/task"):
+                    with open(f"/proc/{p}/task/{task}/children") as f:
+                        todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                continue
+        return found
+
     def sample(self) -> tuple[float, float, float] | None:
-        """(monotonic time, machine busy CPU s, our CPU s), or None where /proc is unreadable."""
+        """(monotonic time, machine busy CPU s, our CPU s), or None where /proc is unreadable.
+        "Ours" is this process plus each server's whole process tree (CPU of exited children is
+        lost, so keep windows free of process churn)."""
         try:
             with open("/proc/stat") as f:
                 user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
             ours = time.process_time()
-            for pid in self.pids:
+            for pid in {p for root in self.pids for p in self._tree(root)}:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 ours += (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
