@@ -21,6 +21,14 @@ second. Tokens count only requests that finish inside a window. ``under_load`` h
 of the updates published during the second window. Updates resend the trainer's unchanged weights
 (the transfer and apply are the same work); versions increase strictly across the whole run.
 
+Anchors, two shapes: an engine flow that can drive the SDK's own server and group
+(``InferenceBackend.native_update_flow``, vLLM's) is measured as mode ``native``, exactly like
+the SDK's modes (idle updates and tokens/s under load); an engine flow that needs its own plain
+server and group (entry-point group ``pipelinerl_sdk.bench_anchors``, SGLang's
+``/update_weights_from_distributed`` sequence) runs after the server above has stopped, on the
+same model, idle only, and every mode gains ``update_over_native_anchor`` (the SDK's update wall
+time over the engine's own).
+
 Threads: 2 cores are shared by the server's engine, its receiver, the trainer's sender and the
 load generator. By default this process runs with ``torch.set_num_threads(1)`` and the reference
 server with ``--option threads=1``, so the two sides do not oversubscribe the cores, and
@@ -139,6 +147,15 @@ def run_weight_update_bench(
                         flow=flow,
                     )
                 )
+            # The engine's own update flow, when its adapter registers one (after the server
+            # above has stopped: one engine at a time).
+            anchor = native_anchor(backend) if native else None
+            if anchor is not None:
+                result["native_anchor"] = anchor(path, dtype="float32", updates=updates)
+                native_s = result["native_anchor"]["update_wall_s"]
+                for figures in result["modes"].values():
+                    if "update_wall_s" in figures:
+                        figures["update_over_native_anchor"] = figures["update_wall_s"] / native_s
         finally:
             torch.set_num_threads(previous_threads)
     result["config"].update(
@@ -151,6 +168,23 @@ def run_weight_update_bench(
         wall_s=time.perf_counter() - started,
     )
     return result
+
+
+#: Entry-point group where an adapter may register its engine's own update flow as the benchmark's
+#: anchor: ``name = "module:function"`` with the backend's name, ``function(model_dir, *, dtype,
+#: updates) -> dict`` holding at least ``update_wall_s`` (median seconds of one update).
+ANCHOR_GROUP = "pipelinerl_sdk.bench_anchors"
+
+
+def native_anchor(backend: str) -> Callable[..., dict[str, Any]] | None:
+    """The anchor registered for ``backend``, or None."""
+    from importlib import metadata
+
+    for ep in metadata.entry_points(group=ANCHOR_GROUP):
+        if ep.name == backend:
+            fn: Callable[..., dict[str, Any]] = ep.load()
+            return fn
+    return None
 
 
 async def _bench(
@@ -401,13 +435,30 @@ class _CpuMeter:
         self.pids = list(pids)
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
+    @staticmethod
+    def _tree(pid: int) -> list[int]:
+        """``pid`` and its descendants (a server may run its engine in child processes)."""
+        found, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            found.append(p)
+            try:
+                for task in os.listdir(f"/proc/{p}/task"):
+                    with open(f"/proc/{p}/task/{task}/children") as f:
+                        todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                continue
+        return found
+
     def sample(self) -> tuple[float, float, float] | None:
-        """(monotonic time, machine busy CPU s, our CPU s), or None where /proc is unreadable."""
+        """(monotonic time, machine busy CPU s, our CPU s), or None where /proc is unreadable.
+        "Ours" is this process plus each server's whole process tree (CPU of exited children is
+        lost, so keep windows free of process churn)."""
         try:
             with open("/proc/stat") as f:
                 user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
             ours = time.process_time()
-            for pid in self.pids:
+            for pid in {p for root in self.pids for p in self._tree(root)}:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 ours += (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime

@@ -38,6 +38,61 @@ class GroupConfig:
     timeout_s: float = 120.0
 
 
+def torch_group_store(store: Any, group_name: str, backend: GroupBackend) -> Any:
+    """The store view a member of ``group_name`` forms its backend on: the layout torch's own
+    group helper gives a group created over ``tcp://`` with that name (``rendezvous`` store ->
+    ``PrefixStore(name)`` -> ``PrefixStore(name/)`` -> ``PrefixStore(device/)``), which is what an
+    engine's own "init weights update group" call builds (SGLang's ``init_custom_process_group``,
+    verl, OpenRLHF). Using it here lets such an engine's workers join a group the SDK formed."""
+    device = "cpu" if backend == "gloo" else "cuda"
+    named = dist.PrefixStore(group_name, store)  # type: ignore[attr-defined]
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", named))  # type: ignore[attr-defined]
+
+
+class DecisionBoard:
+    """The trainer's per-transfer decisions (``go`` / ``abort: reason``) in the group's store.
+
+    A member whose collectives are run by an engine it does not control (SGLang's own group) uses
+    :meth:`connect` to wait for decisions in its own process, before it asks the engine to enter
+    a collective."""
+
+    def __init__(self, store: Any, group_name: str) -> None:
+        self._signals = dist.PrefixStore(f"{group_name}/sig", store)  # type: ignore[attr-defined]
+
+    @classmethod
+    def connect(cls, init_method: str, group_name: str, timeout_s: float) -> DecisionBoard:
+        """A client of the store rank 0 hosts at ``init_method``; GroupError if unreachable."""
+        host, port = parse_init_method(init_method)
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+        except Exception as e:
+            raise GroupError(f"could not reach the group's store at {init_method}: {e}") from e
+        return cls(store, group_name)
+
+    def post(self, key: str, go: bool, reason: str = "") -> None:
+        """Rank 0: announce whether the transfer ``key`` will happen."""
+        self._signals.set(key, _DECISION_GO if go else f"abort: {reason}")
+
+    def wait(self, key: str, timeout_s: float) -> None:
+        """Receivers: wait for the decision on ``key``; return on ``go``, raise
+        :class:`UpdateAborted` on an abort, :class:`GroupError` on a timeout or a lost store."""
+        try:
+            self._signals.wait([key], datetime.timedelta(seconds=timeout_s))
+            value = self._signals.get(key)
+        except Exception as e:
+            raise GroupError(f"no decision for {key!r} within {timeout_s:.1f}s: {e}") from e
+        if value != _DECISION_GO.encode():
+            raise UpdateAborted(f"trainer called off {key!r}: {value.decode(errors='replace')}")
+
+    def clear(self, key: str) -> None:
+        try:
+            self._signals.delete_key(key)
+        except Exception:  # best effort: a stale key only costs a few bytes in the store
+            pass
+
+
 class WeightSyncGroup:
     """One member's handle on the group. Construction blocks until every rank has joined
     (bounded by ``timeout_s``); :class:`GroupError` otherwise.
@@ -62,8 +117,8 @@ class WeightSyncGroup:
                 timeout=timeout,
                 wait_for_workers=False,
             )
-            prefixed = dist.PrefixStore(f"{config.group_name}/pg", self._store)  # type: ignore[attr-defined]
-            self._signals = dist.PrefixStore(f"{config.group_name}/sig", self._store)  # type: ignore[attr-defined]
+            self._decisions = DecisionBoard(self._store, config.group_name)
+            prefixed = torch_group_store(self._store, config.group_name, config.backend)
             if config.backend == "gloo":
                 self.device = torch.device("cpu")
                 self._pg: Any = dist.ProcessGroupGloo(prefixed, config.rank, config.world_size, timeout)
@@ -74,6 +129,9 @@ class WeightSyncGroup:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self._pg = dist.ProcessGroupNCCL(prefixed, config.rank, config.world_size, opts)
+            # What torch's process-group helper does after creating the backend (a store exchange
+            # led by rank 0): members that form the group through torch's API wait for it.
+            self._pg._set_sequence_number_for_group()
         except GroupError:
             raise
         except Exception as e:  # torch raises RuntimeError/DistError subclasses here
@@ -123,24 +181,14 @@ class WeightSyncGroup:
 
     def post_decision(self, key: str, go: bool, reason: str = "") -> None:
         """Rank 0: announce whether the transfer ``key`` will happen."""
-        self._signals.set(key, _DECISION_GO if go else f"abort: {reason}")
+        self._decisions.post(key, go, reason)
 
     def await_decision(self, key: str, timeout_s: float) -> None:
-        """Receivers: wait for the decision on ``key``; return on ``go``, raise
-        :class:`UpdateAborted` on an abort, :class:`GroupError` on a timeout or a lost store."""
-        try:
-            self._signals.wait([key], datetime.timedelta(seconds=timeout_s))
-            value = self._signals.get(key)
-        except Exception as e:
-            raise GroupError(f"no decision for {key!r} within {timeout_s:.1f}s: {e}") from e
-        if value != _DECISION_GO.encode():
-            raise UpdateAborted(f"trainer called off {key!r}: {value.decode(errors='replace')}")
+        """Receivers: see :meth:`DecisionBoard.wait`."""
+        self._decisions.wait(key, timeout_s)
 
     def clear_decision(self, key: str) -> None:
-        try:
-            self._signals.delete_key(key)
-        except Exception:  # best effort: a stale key only costs a few bytes in the store
-            pass
+        self._decisions.clear(key)
 
     def close(self) -> None:
         """Release the group. Safe to call twice."""

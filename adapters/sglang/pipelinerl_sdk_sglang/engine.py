@@ -1,0 +1,210 @@
+"""The SGLang server the adapter runs and talks to: its process and its native HTTP routes.
+
+:class:`SGLangProcess` starts ``python -m sglang.launch_server`` on a private loopback port as a
+child of the gateway (same process group, so ``pipelinerl serve``'s launcher stops both; the
+child also dies with the gateway through ``PR_SET_PDEATHSIG``), waits until it answers and
+stops it. :class:`SGLangClient` calls SGLang's own routes: generation and the RL control routes
+(``/pause_generation``, ``/init_weights_update_group``, ``/update_weights_from_distributed``...),
+guarded by an internal API key only the gateway holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pipelinerl_sdk.errors import PipelineRLError, PluginError
+from pipelinerl_sdk_sglang import scheduler_hooks
+
+
+class SGLangError(PipelineRLError):
+    """SGLang answered a control call with ``success: false`` or an HTTP error."""
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def launch_args(
+    model: str, *, dtype: str, port: int, api_key: str, device: str, context_length: int, options: Mapping[str, str]
+) -> list[str]:
+    """``sglang.launch_server`` arguments: the model, a private port, version label ``0``, the
+    scheduler hooks, no prefix cache (a cached prefix would serve KV of older weights)."""
+    args = [
+        "--model-path", model,
+        "--served-model-name", model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", dtype,
+        "--device", device,
+        "--api-key", api_key,
+        "--weight-version", "0",
+        "--context-length", str(context_length),
+        "--disable-radix-cache",
+        "--log-level", options.get("log_level", "warning"),
+        "--custom-weight-loader", *(scheduler_hooks.qualified(h) for h in scheduler_hooks.HOOKS),
+    ]  # fmt: skip
+    if device == "cpu":
+        # SGLang's CPU engine sizes its KV pool from these; the defaults assume a large host.
+        args += ["--max-total-tokens", options.get("max_total_tokens", "8192")]
+        args += ["--mem-fraction-static", options.get("mem_fraction_static", "0.05")]
+    elif "mem_fraction_static" in options:
+        args += ["--mem-fraction-static", options["mem_fraction_static"]]
+    if "tp" in options:
+        args += ["--tp-size", options["tp"]]
+    args += options.get("sglang_args", "").split()
+    return args
+
+
+def launch_env(device: str) -> dict[str, str]:
+    """Environment for SGLang: raw model logprobs (before temperature, as the contract reports
+    them), and SGLang's own switch for its CPU engine on ``device == "cpu"``."""
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    return env
+
+
+class SGLangProcess:
+    """One ``sglang.launch_server`` child on 127.0.0.1:``port``. Its output goes to a log file
+    (``log_path``) whose tail is quoted in start-up errors."""
+
+    def __init__(self, args: Sequence[str], *, port: int, env: Mapping[str, str]) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._dir = tempfile.mkdtemp(prefix="pipelinerl-sglang-")
+        self.log_path = Path(self._dir, "sglang.log")
+        self.cmd = [sys.executable, "-m", "sglang.launch_server", *args]
+        self.env = {**os.environ, **env}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+            )
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def check_alive(self) -> None:
+        """Raises PluginError (with the log tail) if SGLang has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise PluginError(
+                f"SGLang exited with code {self.proc.returncode} (log {self.log_path}):\n{self.log_tail()}"
+            )
+
+    async def wait_ready(self, client: SGLangClient, timeout_s: float) -> None:
+        """Until ``/model_info`` answers; PluginError naming the cause if SGLang exits or is not
+        ready within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                r = await client.http.get("/model_info", timeout=5)
+                if r.status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise PluginError(f"SGLang not ready after {timeout_s:.0f}s (log {self.log_path}):\n{self.log_tail()}")
+            await asyncio.sleep(0.25)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM SGLang, SIGKILL it and every process it started after ``timeout_s``."""
+        proc = self.proc
+        if proc is None:
+            return
+        import psutil
+
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        psutil.wait_procs(children, timeout=10)
+
+
+class SGLangClient:
+    """SGLang's native routes over one pooled HTTP client. Control calls return SGLang's message
+    and raise :class:`SGLangError` on ``success: false`` or an HTTP error."""
+
+    def __init__(self, url: str, api_key: str) -> None:
+        self.http = httpx.AsyncClient(
+            base_url=url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self.http.post("/generate", json=body)
+        if r.status_code != 200:
+            raise SGLangError(f"SGLang /generate answered {r.status_code}: {r.text[:500]}")
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def control(self, route: str, body: dict[str, Any] | None = None) -> str:
+        """POST ``route``; returns SGLang's message."""
+        r = await self.http.post(route, json=body or {})
+        try:
+            data = r.json()
+        except ValueError:
+            data = {"message": r.text[:500]}
+        ok = r.status_code == 200 and (not isinstance(data, dict) or data.get("success", True) is not False)
+        message = str(data.get("message", "")) if isinstance(data, dict) else str(data)
+        if not ok:
+            raise SGLangError(f"SGLang {route} failed ({r.status_code}): {message or r.text[:500]}")
+        return message
+
+    async def call_hook(self, hook: str, named_tensors: list[tuple[str, Any]], tp_size: int = 1) -> str:
+        """Run a :mod:`.scheduler_hooks` function inside SGLang's scheduler (through
+        ``update_weights_from_tensor``; needs an open weight-update session)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+        body = {
+            "serialized_named_tensors": [payload] * tp_size,
+            "load_format": scheduler_hooks.qualified(hook),
+            "flush_cache": False,
+        }
+        return await self.control("/update_weights_from_tensor", body)
+
+
+def new_api_key() -> str:
+    return secrets.token_urlsafe(24)

@@ -1,0 +1,308 @@
+"""The SGLang adapter (``adapters/sglang``) on a real SGLang 0.5.23 server: no mocks.
+
+Runs only in the SGLang environment (``scripts/setup-sglang`` prints its path: on this CPU-only
+CI machine a test harness with a pure-torch stand-in for two ``sgl_kernel`` helpers, see
+``tests/infra/sgl_kernel_cpu``); elsewhere the module is skipped with the reason. One real
+SGLang server (gateway + ``sglang.launch_server`` child) serves the module: the standard
+conformance checks, the state machine, the cross check with the reference trainer and the
+receive-pause check all run against it. At most one SGLang server is alive at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from pipelinerl_sdk.conformance.inference import InferenceContractTests
+from pipelinerl_sdk.conformance.stateful import StatefulContractTests
+from pipelinerl_sdk.conformance.targets import ServerUnderTest
+from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
+from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.protocol import ChatCompletionResponse
+from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+HAVE_ADAPTER = importlib.util.find_spec("pipelinerl_sdk_sglang") is not None
+requires_sglang = pytest.mark.skipif(
+    not (HAVE_SGLANG and HAVE_ADAPTER),
+    reason="SGLang or the SGLang adapter is not installed here: run these tests in the env scripts/setup-sglang prints",
+)
+ADAPTER_DIR = Path(__file__).resolve().parents[1] / "adapters" / "sglang"
+
+pytestmark = pytest.mark.integration
+T = TypeVar("T")
+PROMPT = [{"role": "user", "content": "12+7="}]
+ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await fn()
+
+    return asyncio.run(main())
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_model: Path) -> Iterator[ServerProcess]:
+    """The module's one server; on teardown every process it started must be gone."""
+    import psutil
+
+    proc = ServerProcess("sglang", tiny_model, env=ENV, startup_timeout_s=600)
+    t0 = time.monotonic()
+    proc.start()
+    print(f"\nsglang server ready in {time.monotonic() - t0:.1f}s at {proc.url}")
+    children = _descendants(proc.pid)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        alive = [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"processes of the SGLang server outlived it: {alive}"
+
+
+@pytest.fixture(scope="module")
+def server_under_test(sglang_server: ServerProcess, tiny_model: Path) -> ServerUnderTest:
+    """The conformance suite's fixture, pointed at this module's SGLang server."""
+    from pipelinerl_sdk_sglang.plugin import CAPABILITIES
+
+    return ServerUnderTest(
+        "inference:sglang", sglang_server.url, sglang_server.control_token, CAPABILITIES, tiny_model, "float32",
+        "sglang", sglang_server.pid,
+    )  # fmt: skip
+
+
+@requires_sglang
+class TestSGLangInferenceContract(InferenceContractTests):
+    """Every standard check of the inference contract, on real SGLang."""
+
+
+@requires_sglang
+class TestSGLangStatefulContract(StatefulContractTests):
+    """The suite's Hypothesis state machine (generations, updates, bad requests, interrupted
+    updates in any order), on the same SGLang server."""
+
+
+# --- the plugin ---------------------------------------------------------------------------------
+
+
+@requires_sglang
+def test_backend_is_registered_and_its_import_is_light() -> None:
+    from pipelinerl_sdk.plugins import load_registry
+
+    entry = load_registry().get("inference", "sglang")
+    assert entry.factory == "pipelinerl_sdk_sglang.backend:SGLangInferenceBackend"
+    assert entry.capabilities.receive_modes == frozenset({"direct"})
+    code = "import sys, pipelinerl_sdk_sglang.plugin; print(sorted({'sglang', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", f"importing the plugin imported {out.stdout.strip()}"
+
+
+# --- start-up errors are reported, not hung on ----------------------------------------------------
+
+
+def _serve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pipelinerl_sdk.cli", "serve", "--backend", "sglang", *args]
+    env = {**os.environ, **ENV, "PIPELINERL_CONTROL_TOKEN": "t"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@requires_sglang
+def test_bad_model_path_exits_with_a_message(tmp_path: Path) -> None:
+    r = _serve("--model", str(tmp_path / "nope"), "--port", "0")
+    assert r.returncode != 0
+    assert "config.json missing" in r.stderr, r.stderr[-2000:]
+
+
+@requires_sglang
+def test_unknown_option_exits_with_a_message(tiny_model: Path) -> None:
+    r = _serve("--model", str(tiny_model), "--port", "0", "--option", "bogus=1")
+    assert r.returncode != 0 and "unknown option" in r.stderr, r.stderr[-2000:]
+
+
+@requires_sglang
+def test_sglang_start_up_failure_exits_with_its_log(tiny_model: Path) -> None:
+    """SGLang itself refuses to start (a flag it does not know): ``serve`` exits non-zero, quoting
+    SGLang's own error, and leaves no SGLang process behind."""
+    t0 = time.monotonic()
+    r = _serve("--model", str(tiny_model), "--port", "0", "--option", "sglang_args=--no-such-sglang-flag")
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "SGLang exited with code" in out and "--no-such-sglang-flag" in out, out[-3000:]
+    assert time.monotonic() - t0 < 240
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here: this checks the message when it is missing")
+def test_missing_sglang_exits_with_a_message(tmp_path: Path) -> None:
+    """The adapter on the path without SGLang: a clear error, exit 2, no hang."""
+    from pipelinerl_sdk.reference.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ADAPTER_DIR), os.environ.get("PYTHONPATH", "")]),
+        "PIPELINERL_EXTRA_PLUGINS": "pipelinerl_sdk_sglang.plugin",
+        "PIPELINERL_CONTROL_TOKEN": "t",
+    }
+    cmd = [sys.executable, "-m", "pipelinerl_sdk.cli", "serve", "--backend", "sglang", "--model", str(model)]
+    r = subprocess.run([*cmd, "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "needs SGLang 0.5.23" in r.stderr and "scripts/setup-sglang" in r.stderr, r.stderr[-2000:]
+
+
+# --- cross check with the reference trainer -------------------------------------------------------
+
+
+def _objective(logprobs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    total = sum(lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True))
+    return -total / len(logprobs), {}
+
+
+async def _scored(client: InferenceClient) -> ChatCompletionResponse:
+    body = {
+        "messages": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": True, "return_token_ids": True,
+        "prompt_logprobs": True,
+    }  # fmt: skip
+    return await client.chat(body)
+
+
+@requires_sglang
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 16 << 10])
+def test_reference_trainer_updates_sglang_and_logprobs_agree(
+    sglang_server: ServerProcess, tiny_model: Path, bucket_bytes: int, record_property: Callable[[str, object], None]
+) -> None:
+    """The reference trainer takes a real optimizer step and publishes it (one bucket, then many);
+    SGLang's prompt and completion logprobs then equal the trainer's for the same tokens (fp32:
+    1e-4), and differ from the logprobs before the step."""
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=bucket_bytes)
+            await pub.connect()
+            info = await client.info()
+            assert [p.name for p in info.params] == [p.name for p in trainer.param_specs()]
+            g = torch.Generator().manual_seed(bucket_bytes)
+            ids = torch.randint(5, 200, (2, 12), generator=g).tolist()
+            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+            trainer.step()
+            version = info.version + 1
+            before = await _scored(client)
+            async with pub.update(version, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            assert pub.last is not None
+            event = next(iter(pub.last.events.values()))
+            assert event.mode == "direct" and event.version == version
+            for k, v in event.timings.items():
+                record_property(k, v)
+            print(f"\nbucket_bytes={bucket_bytes}: {event.timings}")
+            resp = await _scored(client)
+            choice = resp.choices[0]
+            assert set(choice.weight_versions) == {version}
+            prompt = resp.prompt_token_ids or []
+            seq = prompt + (choice.token_ids or [])
+            lp = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[len(prompt)]))[0]
+            served_prompt = torch.tensor([x for x in resp.prompt_logprobs or [] if x is not None])
+            served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
+            assert (served_prompt - lp[: len(prompt) - 1]).abs().max() < 1e-4
+            assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
+            old = torch.tensor([x for x in before.prompt_logprobs or [] if x is not None])
+            assert (old - served_prompt).abs().max() > 1e-3, "the step did not change the served logprobs"
+            await pub.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+# --- a direct receive holds generation, and only while it lasts -----------------------------------
+
+
+@requires_sglang
+def test_generation_waits_for_a_direct_receive(
+    sglang_server: ServerProcess, tiny_model: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """The trainer holds the broadcast open for ``hold`` seconds after ``go``: SGLang is paused
+    (in place) for the receive, so no chat finishes meanwhile; the chats sent during the receive
+    complete right after it, on the new version."""
+    from pipelinerl_sdk.conformance.mirror import Mirror
+
+    mirror = Mirror(tiny_model, "float32")
+    hold = 3.0
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=60)
+            await pub.connect()
+            info = await client.info()
+            mirror.perturb(seed=info.version + 100)
+            done_during: list[int] = []
+            async with pub.update(info.version + 1, info.params) as sink:
+                await asyncio.sleep(0.5)  # go was posted: the server pauses and enters the receive
+                t_end = time.monotonic() + hold
+                chats = [
+                    asyncio.create_task(client.chat({"messages": PROMPT, "max_tokens": 4, "ignore_eos": True}))
+                    for _ in range(3)
+                ]
+                await asyncio.sleep(hold)
+                done_during = [i for i, c in enumerate(chats) if c.done()]
+                await asyncio.to_thread(mirror.send_all, sink, info.params)
+            results = await asyncio.wait_for(asyncio.gather(*chats), 60)
+            assert time.monotonic() >= t_end
+            assert pub.last is not None
+            event = next(iter(pub.last.events.values()))
+            record_property("pause_s", event.timings["pause_s"])
+            print(f"\n{len(done_during)} chats finished during a {hold:.0f}s receive; {event.timings}")
+            assert done_during == [], "a chat finished while SGLang was receiving (direct mode must hold generation)"
+            assert event.timings["pause_s"] >= hold * 0.8
+            for r in results:
+                assert set(r.choices[0].weight_versions) == {info.version + 1}
+            await pub.close()
+
+    run(body)
+
+
+# --- the probe: one flat broadcast received by SGLang's own group, then dropped --------------------
+
+
+@requires_sglang
+def test_probe_broadcast_is_received_by_sglang(sglang_server: ServerProcess) -> None:
+    """``/probe_broadcast`` runs a receive inside SGLang's scheduler on SGLang's group (a hook
+    carrying no tensor data); the server keeps its version and serves right after."""
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client])
+            await pub.connect()
+            before = (await client.info()).version
+            send_s, by_url = await pub.probe(4 << 20)
+            assert send_s > 0 and by_url[sglang_server.url] > 0
+            info = await client.info()
+            assert info.version == before and info.group is not None and not info.group.broken
+            resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
+            assert set(resp.choices[0].weight_versions) == {before}
+            await pub.close()
+
+    run(body)
