@@ -261,10 +261,8 @@ async def _bench(
             for mode in MODES:
                 if "update_wall_s" in modes[mode]:
                     modes[mode]["vs_native"] = {
-                        "update_wall_s": modes[mode]["update_wall_s"] / modes["native"]["update_wall_s"],
-                        "pause_s": modes[mode]["pause_s"] / modes["native"]["pause_s"],
-                        "tokens_per_s_updating": modes[mode]["tokens_per_s_updating"]
-                        / modes["native"]["tokens_per_s_updating"],
+                        k: _ratio(modes[mode][k], modes["native"][k])
+                        for k in ("update_wall_s", "pause_s", "tokens_per_s_updating")
                     }
                     modes[mode]["meets_targets"]["no_slower_than_native"] = (
                         modes[mode]["update_wall_s"] <= modes["native"]["update_wall_s"]
@@ -316,6 +314,10 @@ def _memcpy_seconds(nbytes: int, threads: int, repeats: int = 5) -> float:
         return statistics.median(times)
     finally:
         torch.set_num_threads(previous)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
 
 @dataclass(frozen=True, slots=True)
