@@ -357,8 +357,9 @@ class InferenceContractTests:
             async with server_under_test.client() as client:
                 publisher = await connect(server_under_test, client)
                 info = await client.info()
-                probe = await client.chat({"messages": PROMPT, "max_tokens": 1})
-                room = (info.max_model_len or 1 << 20) - len(probe.prompt_token_ids or []) - 16
+                probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
+                assert probe.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
+                room = (info.max_model_len or 1 << 20) - len(probe.prompt_token_ids) - 16
                 steps = min(64, room)
                 t0 = time.perf_counter()
                 await asyncio.gather(
