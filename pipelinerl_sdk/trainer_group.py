@@ -29,6 +29,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -37,7 +38,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pipelinerl_sdk.errors import PipelineRLError
 
-__all__ = ["RankContext", "RankError", "RankTimeout", "init_from_env", "run_ranks"]
+__all__ = ["RankContext", "RankError", "RankTeardownWarning", "RankTimeout", "init_from_env", "run_ranks"]
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -69,6 +70,10 @@ class RankError(PipelineRLError):
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.others = others
+
+
+class RankTeardownWarning(RuntimeWarning):
+    """A rank crashed after writing its result (see :func:`run_ranks`)."""
 
 
 class RankTimeout(RankError):
@@ -249,7 +254,10 @@ def run_ranks(
     - an exception in any rank raises :class:`RankError` here, naming the rank that failed first
       and carrying its traceback; the other ranks are killed at once (they could be blocked in a
       collective with the dead one), and their later failures are listed in ``others``;
-    - a rank that exits without a Python exception (a signal, ``os._exit``) is a RankError too;
+    - a rank that exits without a Python exception (a signal, ``os._exit``) is a RankError too,
+      unless it had written its result: a crash after that (in teardown at interpreter exit, e.g.
+      a native library's thread destroyed while joinable) loses nothing, so the results are
+      returned and a :class:`RankTeardownWarning` names the rank and how it ended;
     - after ``timeout_s`` (from the start, process start-up included) every rank still running is
       killed and :class:`RankTimeout` names them;
     - on return or raise no process of the group is left running.
@@ -284,10 +292,14 @@ def run_ranks(
             for sentinel in wait(list(pending), timeout=min(left, 1.0)):
                 rank = pending.pop(sentinel)
                 procs[rank].join()
-                if procs[rank].exitcode != 0 or not (outdir / f"rank{rank}.ok").is_file():
+                if not (outdir / f"rank{rank}.ok").is_file():
                     error = _failure(outdir, procs, world_size)  # before the kill: only ranks that failed by themselves
                     _kill_all(procs)
                     raise error
+                if procs[rank].exitcode != 0:
+                    how = _exit_description(procs[rank].exitcode)
+                    message = f"rank {rank} of {world_size} wrote its result, then {how} while exiting; result kept"
+                    warnings.warn(RankTeardownWarning(message), stacklevel=2)
         return [pickle.loads((outdir / f"rank{rank}.ok").read_bytes()) for rank in range(world_size)]
     finally:
         _kill_all(procs)

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl_sdk.trainer_group import RankContext, RankError, RankTimeout, init_from_env, run_ranks
+from pipelinerl_sdk.trainer_group import (
+    RankContext,
+    RankError,
+    RankTeardownWarning,
+    RankTimeout,
+    init_from_env,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +72,15 @@ def _exit_without_exception(ctx: RankContext, _: None) -> int:
     return ctx.rank
 
 
+def _crash_after_the_result(ctx: RankContext, _: None) -> int:
+    """Rank 1 returns, then aborts while its process exits (after the result file is written)."""
+    from multiprocessing import util
+
+    if ctx.rank == 1:
+        util.Finalize(None, os.abort, exitpriority=0)
+    return 10 + ctx.rank
+
+
 def test_results_come_back_ordered_by_rank_with_torchrun_env() -> None:
     results = run_ranks(3, _whoami, "x", timeout_s=120)
     assert [r["rank"] for r in results] == [0, 1, 2]
@@ -103,6 +119,11 @@ def test_a_rank_that_dies_without_an_exception_is_named() -> None:
         run_ranks(2, _exit_without_exception, None, timeout_s=120)
     assert err.value.rank == 1
     assert "rank 1 of 2 failed: exited with code 3" in str(err.value)
+
+
+def test_a_crash_after_the_result_keeps_the_results_and_warns() -> None:
+    with pytest.warns(RankTeardownWarning, match=r"rank 1 of 2 wrote its result, then killed by SIGABRT while exiting"):
+        assert run_ranks(2, _crash_after_the_result, None, timeout_s=120) == [10, 11]
 
 
 def test_a_hanging_rank_is_killed_at_the_timeout() -> None:
