@@ -36,11 +36,11 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipelinerl_sdk.bench.model import bench_model
 from pipelinerl_sdk.contracts import TrainerBackend, TrainerSpec
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.memory import AllocationPeak, gather_units
@@ -85,14 +85,7 @@ def run_gather_bench(
         raise ValueError("world_size, repeats and bucket_mb must be >= 1")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-gather-") as tmp:
-        if model is None:
-            from pipelinerl_sdk.reference.tiny import build_tiny_model
-
-            path = build_tiny_model(Path(tmp, "model"), preset="bench")
-            model_label = "bench preset (built)"
-        else:
-            path = Path(model)
-            model_label = str(path)
+        path, model_label = bench_model(tmp, model)
         with ServerProcess("reference", path, options={"threads": 1}) as server:
             job = GatherJob(
                 trainer=trainer,

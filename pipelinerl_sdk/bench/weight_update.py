@@ -48,6 +48,7 @@ measurable loss", not a gain.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import statistics
@@ -62,6 +63,7 @@ import torch
 
 from pipelinerl_sdk.bench.anchor import NativeUpdateFlow, load_native_flow
 from pipelinerl_sdk.bench.load import SUPPORTS_IGNORE_EOS, ChatLoad
+from pipelinerl_sdk.bench.model import bench_model
 from pipelinerl_sdk.contracts import TrainerSpec
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
@@ -117,14 +119,7 @@ def run_weight_update_bench(
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-") as tmp:
-        if model is None:
-            from pipelinerl_sdk.reference.tiny import build_tiny_model
-
-            path = build_tiny_model(Path(tmp, "model"), preset="bench")
-            model_label = "bench preset (built)"
-        else:
-            path = Path(model)
-            model_label = str(path)
+        path, model_label = bench_model(tmp, model)
         if backend != "reference":
             server_threads = None  # the thread option is the reference server's
         options: dict[str, object] = {} if server_threads is None else {"threads": server_threads}
@@ -217,6 +212,18 @@ async def _bench(
         flat_receive_s = statistics.median(max(by_url.values()) for _, by_url in probes)
 
         versions = itertools.count(info.version + 1)
+        # Every way of updating (the SDK's modes, the engine's own flow) is timed the same way.
+        bench_mode = functools.partial(
+            _bench_mode,
+            client,
+            versions=versions,
+            updates=updates,
+            seconds=seconds,
+            concurrency=concurrency,
+            memcpy_s=memcpy_s,
+            flat_broadcast_s=flat_broadcast_s,
+            cpu=_CpuMeter([server.pid]),
+        )
         modes: dict[str, Any] = {}
         for mode in MODES:
             if mode not in info.receive_modes:
@@ -227,17 +234,7 @@ async def _bench(
             async def sdk(version: int) -> UpdateRecord:
                 return await _publish(publisher, trainer, specs, version)
 
-            modes[mode] = await _bench_mode(
-                client,
-                sdk,
-                versions,
-                updates=updates,
-                seconds=seconds,
-                concurrency=concurrency,
-                memcpy_s=memcpy_s,
-                flat_broadcast_s=flat_broadcast_s,
-                cpu=_CpuMeter([server.pid]),
-            )
+            modes[mode] = await bench_mode(sdk)
             modes[mode]["meets_targets"] = _meets(mode, modes[mode])
         if flow is not None:
             native_flow = flow
@@ -246,17 +243,7 @@ async def _bench(
                 done = await native_flow.update(server.url, publisher, trainer.gather_and_broadcast, specs, version)
                 return UpdateRecord(done.wall_s, done.pause_s, done.send_s, None, None)
 
-            modes["native"] = await _bench_mode(
-                client,
-                native,
-                versions,
-                updates=updates,
-                seconds=seconds,
-                concurrency=concurrency,
-                memcpy_s=memcpy_s,
-                flat_broadcast_s=flat_broadcast_s,
-                cpu=_CpuMeter([server.pid]),
-            )
+            modes["native"] = await bench_mode(native)
             modes["native"]["flow"] = flow.description
             for mode in MODES:
                 if "update_wall_s" in modes[mode]:
