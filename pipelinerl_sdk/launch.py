@@ -110,6 +110,11 @@ class ServerProcess:
             f"{self.backend} server not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}"
         )
 
+    @property
+    def log_path(self) -> Path:
+        """The server's combined stdout and stderr (removed by :meth:`stop`)."""
+        return self._log_path
+
     def log_tail(self, n: int = 40) -> str:
         try:
             lines = self._log_path.read_text(errors="replace").splitlines()

@@ -274,8 +274,8 @@ def test_the_suite_misses_a_gap_backend(backend: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", list(EXPECTED))
 def test_the_suite_catches_a_broken_backend(runs: Runs, backend: str) -> None:
-    """The intended check fails in its test body (the server started, nothing skipped) and its
-    message names the problem."""
+    """The intended check fails in its test body (the server started, nothing skipped), its
+    message names the problem, and the report shows the tail of the server's log."""
     exp = EXPECTED[backend]
     run = runs.get(backend)
     mine = run.of(exp.check, backend)
@@ -284,6 +284,9 @@ def test_the_suite_catches_a_broken_backend(runs: Runs, backend: str) -> None:
     assert failed, f"{exp.check} did not FAIL against {backend}\n{run.describe()}"
     assert not [o for o in run.outcomes if o.status in ("error", "skipped")], run.describe()
     assert run.returncode == 1, f"child pytest ended with rc {run.returncode} (1 = tests failed)\n{run.describe()}"
+    assert f"inference:{backend} server log, last lines" in run.output, (
+        f"the failure report does not show the server's log\n{run.describe()}"
+    )
     message = failed[0].message
     if exp.weak_message is not None:
         symptom, why = exp.weak_message

@@ -88,7 +88,7 @@ def server_under_test(sglang_server: ServerProcess, tiny_model: Path) -> ServerU
 
     return ServerUnderTest(
         "inference:sglang", sglang_server.url, sglang_server.control_token, CAPABILITIES, tiny_model, "float32",
-        "sglang", sglang_server.pid,
+        "sglang", sglang_server.pid, sglang_server.log_path,
     )  # fmt: skip
 
 

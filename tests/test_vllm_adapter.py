@@ -74,7 +74,7 @@ def server_under_test(vllm_server: ServerProcess, tiny_model: Path) -> ServerUnd
 
     return ServerUnderTest(
         "inference:vllm", vllm_server.url, vllm_server.control_token, CAPABILITIES, tiny_model, "float32", "vllm",
-        vllm_server.pid,
+        vllm_server.pid, vllm_server.log_path,
     )  # fmt: skip
 
 

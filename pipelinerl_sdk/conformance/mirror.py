@@ -60,6 +60,8 @@ class Mirror:
 
     def __init__(self, model_dir: Path, server_dtype: str) -> None:
         self.dtype = server_dtype
+        #: Set when a check failed: the server may no longer hold these weights.
+        self.needs_sync = False
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()  # type: ignore[no-untyped-call]
         self._round()

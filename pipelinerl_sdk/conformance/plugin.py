@@ -139,18 +139,23 @@ def server_under_test(
 @pytest.fixture(scope="module")
 def mirror(server_under_test: ServerUnderTest) -> Mirror:
     """The suite's copy of the served weights; a server already updated is first synced to it."""
-    import asyncio
-
     from pipelinerl_sdk.conformance.mirror import Mirror
 
     m = Mirror(server_under_test.model_dir, server_under_test.dtype)
+    _sync(server_under_test, m, only_if_updated=True)
+    return m
+
+
+def _sync(sut: ServerUnderTest, m: Mirror, *, only_if_updated: bool) -> None:
+    """Publish the mirror's weights to the server as its next version."""
+    import asyncio
+
+    from pipelinerl_sdk.weights.publisher import WeightPublisher
 
     async def sync() -> None:
-        from pipelinerl_sdk.weights.publisher import WeightPublisher
-
-        async with server_under_test.client() as client:
+        async with sut.client() as client:
             info = await client.info()
-            if info.version == 0:
+            if only_if_updated and info.version == 0:
                 return
             publisher = WeightPublisher([client])
             await publisher.connect()
@@ -158,7 +163,47 @@ def mirror(server_under_test: ServerUnderTest) -> Mirror:
             await publisher.close()
 
     asyncio.run(sync())
-    return m
+    m.needs_sync = False
+
+
+@pytest.fixture(autouse=True)
+def _mirror_resynced(request: pytest.FixtureRequest) -> None:
+    """After a failed check the server may hold weights the mirror does not (an update that
+    landed before the check failed, or a perturbation never published): publish the mirror's
+    weights first, so that one failure is reported once, not again by every later check."""
+    if "mirror" not in request.fixturenames:
+        return
+    m: Mirror = request.getfixturevalue("mirror")
+    if m.needs_sync:
+        _sync(request.getfixturevalue("server_under_test"), m, only_if_updated=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing check's report carries the tail of the launched server's log; a failure also
+    marks the mirror for re-sync (see ``_mirror_resynced``)."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed:
+        return
+    funcargs: dict[str, Any] = getattr(item, "funcargs", {})
+    sut = funcargs.get("server_under_test")
+    if isinstance(sut, ServerUnderTest) and sut.log_path is not None:
+        alive = "" if sut.pid is None or _alive(sut.pid) else f" (server pid {sut.pid} is gone)"
+        report.sections.append((f"{sut.id} server log, last lines{alive}", sut.log_tail()))
+    m = funcargs.get("mirror")
+    if m is not None:
+        m.needs_sync = True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,16 @@ class ServerUnderTest:
     #: The launched backend's registered name (None for a URL target).
     backend: str | None
     pid: int | None = None
+    #: The launched server's log, shown with a failing check's report (None for a URL target).
+    log_path: Path | None = None
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
 
     def client(self, **kwargs: object) -> InferenceClient:
         return InferenceClient(self.url, control_token=self.control_token, **kwargs)  # type: ignore[arg-type]
@@ -82,8 +92,9 @@ class InferenceTarget:
         assert self.capabilities is not None
         with ServerProcess(self.name, model, dtype=dtype, startup_timeout_s=600) as proc:
             yield ServerUnderTest(
-                self.id, proc.url, proc.control_token, self.capabilities, model, dtype, self.name, proc.pid
-            )
+                self.id, proc.url, proc.control_token, self.capabilities, model, dtype, self.name, proc.pid,
+                proc.log_path,
+            )  # fmt: skip
 
 
 async def _info(url: str, token: str):  # type: ignore[no-untyped-def]

@@ -109,6 +109,13 @@ class UpdateCall:
             await self._task
 
 
+#: Idle connections are dropped before uvicorn's default keep-alive (5 s, which vLLM and SGLang
+#: keep) closes them on the server side; reusing one at that moment reads a closed socket.
+KEEPALIVE_EXPIRY_S = 4.0
+#: New connections are retried this many times on a connect error (a refused or reset SYN).
+CONNECT_RETRIES = 2
+
+
 class InferenceClient:
     """One server. ``control_token`` for control routes, ``api_key`` for the OpenAI ones."""
 
@@ -124,10 +131,16 @@ class InferenceClient:
         self.url = url.rstrip("/")
         self._control_token = control_token
         self._api_key = api_key
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # Connection attempts only (nothing was sent): safe for every route.
+            transport=httpx.AsyncHTTPTransport(limits=limits, retries=CONNECT_RETRIES),
         )
 
     def _control_headers(self) -> dict[str, str]:
