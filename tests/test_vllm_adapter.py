@@ -57,7 +57,15 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model: Path) -> Iterator[ServerProcess]:
     # VLLM_SERVER_DEV_MODE: vLLM's own RL routes too, for the native-flow anchor's test.
-    proc = ServerProcess("vllm", tiny_model, env={**ENV, "VLLM_SERVER_DEV_MODE": "1"}, startup_timeout_s=600)
+    # The model's full context (4096), not the default 2048: the in-flight check sizes its requests
+    # from measured speeds, and on a loaded machine it may want more than 2048 tokens of them.
+    proc = ServerProcess(
+        "vllm",
+        tiny_model,
+        env={**ENV, "VLLM_SERVER_DEV_MODE": "1"},
+        options={"max_model_len": 4096},
+        startup_timeout_s=600,
+    )
     t0 = time.monotonic()
     proc.start()
     print(f"\nvllm server ready in {time.monotonic() - t0:.1f}s at {proc.url}")
