@@ -19,20 +19,18 @@ import torch
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChoiceLogprobs,
     GroupState,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
     ParamSpec,
     ProbeBroadcastRequest,
     ReceiveMode,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     WeightUpdateRequest,
 )
@@ -280,15 +278,7 @@ class ReferenceInferenceBackend(InferenceBackend):
         text = str(self.tokenizer.decode(r.token_ids, skip_special_tokens=True))
         logprobs = None
         if req.logprobs:
-            tokens = self.tokenizer.convert_ids_to_tokens(r.token_ids)
-            content = []
-            for j, (tok, lp) in enumerate(zip(tokens, r.logprobs, strict=True)):
-                tops = [
-                    TopLogprob(token=str(self.tokenizer.convert_ids_to_tokens(tid)), logprob=tlp)
-                    for tid, tlp in (r.top_logprobs[j] if r.top_logprobs else [])
-                ]
-                content.append(TokenLogprob(token=tok, logprob=lp, top_logprobs=tops))
-            logprobs = ChoiceLogprobs(content=content)
+            logprobs = choice_logprobs(self.tokenizer, r.token_ids, r.logprobs, r.top_logprobs or None)
         return ChatChoice(
             index=index,
             message=AssistantMessage(content=text),

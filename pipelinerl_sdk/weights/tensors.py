@@ -34,6 +34,17 @@ def spec_of(name: str, tensor: torch.Tensor) -> ParamSpec:
     return ParamSpec(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
 
 
+def hf_param_specs(model: str, dtype: str) -> list[ParamSpec]:
+    """The params of the HF model at ``model`` under HF names, in the model's order, as ``dtype``:
+    the model is built from its config on the meta device, so no weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+    return [ParamSpec(name=n, dtype=dtype, shape=tuple(p.shape)) for n, p in m.named_parameters()]  # type: ignore[arg-type]
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``tensor`` (copied first if it is not contiguous)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -32,20 +32,18 @@ from typing import Any
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
+from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChoiceLogprobs,
     GroupState,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
     ParamSpec,
     ProbeBroadcastRequest,
     ReceiveMode,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     WeightUpdateRequest,
 )
@@ -172,10 +170,12 @@ class SGLangInferenceBackend(InferenceBackend):
         import torch
         from transformers import AutoTokenizer
 
+        from pipelinerl_sdk.weights.tensors import hf_param_specs
+
         device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._device = device
         self._tokenizer = AutoTokenizer.from_pretrained(self._config.model)
-        self._specs = _hf_param_specs(self._config.model, self._config.dtype)
+        self._specs = hf_param_specs(self._config.model, self._config.dtype)
         api_key = new_api_key()
         port = free_port()
         args = launch_args(
@@ -469,15 +469,12 @@ class SGLangInferenceBackend(InferenceBackend):
             if len(entries) != len(token_ids):
                 raise RuntimeError(f"SGLang returned {len(entries)} logprobs for {len(token_ids)} tokens")
             tops = meta.get("output_top_logprobs") or [[] for _ in token_ids]
-            tokens = self._tokenizer.convert_ids_to_tokens(token_ids)
-            content = []
-            for (lp, _tid, _), tok, alts in zip(entries, tokens, tops, strict=True):
-                ranked = [
-                    TopLogprob(token=str(self._tokenizer.convert_ids_to_tokens(int(a[1]))), logprob=float(a[0]))
-                    for a in (alts or [])[:top]
-                ]
-                content.append(TokenLogprob(token=str(tok), logprob=float(lp), top_logprobs=ranked))
-            logprobs = ChoiceLogprobs(content=content)
+            logprobs = choice_logprobs(
+                self._tokenizer,
+                token_ids,
+                [lp for lp, _tid, _ in entries],
+                [[(int(a[1]), float(a[0])) for a in (alts or [])[:top]] for alts in tops],
+            )
         reason = (meta.get("finish_reason") or {}).get("type", "stop")
         if reason == "abort":
             raise RuntimeError(f"SGLang aborted the request: {meta.get('finish_reason')}")
@@ -489,18 +486,6 @@ class SGLangInferenceBackend(InferenceBackend):
             token_ids=token_ids if req.return_token_ids else None,
             weight_versions=_spans_to_versions(meta, len(token_ids)),
         )
-
-
-def _hf_param_specs(model: str, dtype: str) -> list[ParamSpec]:
-    """The params under HF names, as a transformers model of this config lists them (built on
-    the meta device: no weights are read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
-    return [ParamSpec(name=n, dtype=dtype, shape=tuple(p.shape)) for n, p in m.named_parameters()]  # type: ignore[arg-type]
 
 
 __all__ = ["OPTIONS", "SGLangInferenceBackend"]

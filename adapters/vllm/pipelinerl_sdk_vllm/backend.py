@@ -30,20 +30,18 @@ from typing import Any, Literal
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChoiceLogprobs,
     GroupState,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
     ParamSpec,
     ProbeBroadcastRequest,
     ReceiveMode,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     WeightUpdateRequest,
 )
@@ -146,9 +144,11 @@ class VLLMInferenceBackend(InferenceBackend):
         """Called by :meth:`serve` once vLLM's engine client is up."""
         from transformers import AutoTokenizer
 
+        from pipelinerl_sdk.weights.tensors import hf_param_specs
+
         engine = self._engine
         self._tokenizer = AutoTokenizer.from_pretrained(self._config.model)
-        self._specs = _hf_param_specs(self._config.model, self._config.dtype)
+        self._specs = hf_param_specs(self._config.model, self._config.dtype)
         pc = engine.vllm_config.parallel_config
         self._workers = int(pc.world_size_across_dp)
         await engine.update_weight_version("0")
@@ -387,18 +387,18 @@ class VLLMInferenceBackend(InferenceBackend):
         token_ids = [int(t) for t in c.token_ids]
         logprobs = None
         if req.logprobs:
-            tokens = self._tokenizer.convert_ids_to_tokens(token_ids)
-            content = []
-            for tid, tok, entry in zip(token_ids, tokens, c.logprobs or [], strict=True):
-                tops = []
-                if top:
-                    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
-                    tops = [
-                        TopLogprob(token=str(self._tokenizer.convert_ids_to_tokens(t)), logprob=float(lp.logprob))
-                        for t, lp in ranked
-                    ]
-                content.append(TokenLogprob(token=str(tok), logprob=float(entry[tid].logprob), top_logprobs=tops))
-            logprobs = ChoiceLogprobs(content=content)
+            entries = list(c.logprobs or [])
+            logprobs = choice_logprobs(
+                self._tokenizer,
+                token_ids,
+                [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)],
+                [
+                    [(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]]
+                    for entry in entries
+                ]
+                if top
+                else None,
+            )
         versions: list[int] = []
         for span in c.weight_versions or []:
             versions.extend([_version_label(span.version)] * (span.end - span.start))
@@ -423,18 +423,6 @@ class VLLMInferenceBackend(InferenceBackend):
         from pipelinerl_sdk_vllm.server import run
 
         run(self, config)
-
-
-def _hf_param_specs(model: str, dtype: str) -> list[ParamSpec]:
-    """The params under HF names, as a transformers model of this config lists them (built on
-    the meta device: no weights are read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
-    return [ParamSpec(name=n, dtype=dtype, shape=tuple(p.shape)) for n, p in m.named_parameters()]  # type: ignore[arg-type]
 
 
 __all__ = ["OPTIONS", "VLLMInferenceBackend"]
