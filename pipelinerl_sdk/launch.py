@@ -27,6 +27,14 @@ ENV_CONTROL_TOKEN = "PIPELINERL_CONTROL_TOKEN"
 ENV_API_KEY = "PIPELINERL_API_KEY"
 
 
+def log_tail(path: Path, n: int = 40) -> str:
+    """The last ``n`` lines of a process's log file ("" if it does not exist (yet))."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return ""
+
+
 class ServerStartError(PipelineRLError):
     """The server exited or did not become ready in time; the message carries its output tail."""
 
@@ -116,11 +124,7 @@ class ServerProcess:
         return self._log_path
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self._log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        return "\n".join(lines[-n:])
+        return log_tail(self._log_path, n)
 
     @property
     def alive(self) -> bool:

@@ -17,6 +17,7 @@ from pipelinerl_sdk.contracts import (
 )
 from pipelinerl_sdk.errors import PluginError
 from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.launch import log_tail
 from pipelinerl_sdk.plugins import load_registry
 
 
@@ -37,12 +38,7 @@ class ServerUnderTest:
     log_path: Path | None = None
 
     def log_tail(self, n: int = 60) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return ""
+        return "" if self.log_path is None else log_tail(self.log_path, n)
 
     def client(self, **kwargs: object) -> InferenceClient:
         return InferenceClient(self.url, control_token=self.control_token, **kwargs)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from pipelinerl_sdk.errors import PipelineRLError, PluginError
+from pipelinerl_sdk.launch import log_tail
 from pipelinerl_sdk_sglang import scheduler_hooks
 
 
@@ -107,10 +108,7 @@ class SGLangProcess:
             )
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return ""
+        return log_tail(self.log_path, n)
 
     def check_alive(self) -> None:
         """Raises PluginError (with the log tail) if SGLang has exited."""
