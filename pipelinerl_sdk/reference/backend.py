@@ -43,7 +43,8 @@ from pipelinerl_sdk.reference.engine import (
 from pipelinerl_sdk.reference.tiny import load_model
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
-from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver, apply_staged, update_key
+from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver, update_key
+from pipelinerl_sdk.weights.swap import DoubleBuffer
 from pipelinerl_sdk.weights.tensors import spec_of
 
 CAPABILITIES = capabilities.INFERENCE
@@ -83,8 +84,10 @@ class ReferenceInferenceBackend(InferenceBackend):
             max_batch_size=int(opts.get("max_batch_size", 32)),
             max_model_len=int(opts.get("max_model_len", 2048)),
         )
-        self._params = {name: p for name, p in self.model.named_parameters()}
-        self._specs = [spec_of(name, p) for name, p in self._params.items()]
+        params = dict(self.model.named_parameters())
+        self._specs = [spec_of(name, p) for name, p in params.items()]
+        #: A full update is received into the spare buffer and swapped in (no copy in the pause).
+        self._weights = DoubleBuffer(params)
         self._default_mode: ReceiveMode = config.receive_mode or "staged"
         self._group: WeightSyncGroup | None = None
         self._receiver: WeightReceiver | None = None
@@ -177,8 +180,10 @@ class ReferenceInferenceBackend(InferenceBackend):
         key = update_key(req.version)
         t0 = time.perf_counter()
 
+        spare = self._weights.spare(plan.total_bytes, receiver.group.device)
+
         def receive() -> StagedWeights:
-            return receiver.receive(plan, key, decision_timeout_s=req.timeout_s)
+            return receiver.receive(plan, key, decision_timeout_s=req.timeout_s, into=spare)
 
         try:
             on_accepted()
@@ -186,14 +191,14 @@ class ReferenceInferenceBackend(InferenceBackend):
                 staged = await asyncio.to_thread(receive)
                 async with self.engine.paused() as hold:
                     t_apply = time.perf_counter()
-                    apply_staged(staged, self._params)
+                    self._weights.apply(staged)
                     apply_s = time.perf_counter() - t_apply
                     self.engine.set_version(req.version)
             else:
                 async with self.engine.paused() as hold:
                     staged = await asyncio.to_thread(receive)
                     t_apply = time.perf_counter()
-                    apply_staged(staged, self._params)
+                    self._weights.apply(staged)
                     apply_s = time.perf_counter() - t_apply
                     self.engine.set_version(req.version)
         except UpdateAborted:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,17 +23,24 @@ from pipelinerl_sdk.weights.tensors import from_bytes
 @dataclass(frozen=True, slots=True)
 class StagedWeights:
     """Every param of one update, received and not yet applied. Views into the receiver's
-    staging buffer: valid until the receiver's next :meth:`WeightReceiver.receive`."""
+    staging buffer: valid until the receiver's next :meth:`WeightReceiver.receive`. The views are
+    built on construction (in the receiving thread), so applying them costs no view building."""
 
     plan: BucketPlan
     buffer: torch.Tensor
     receive_s: float
+    views: tuple[tuple[str, torch.Tensor], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        views = tuple(
+            (e.spec.name, from_bytes(self.buffer[b.offset + e.offset : b.offset + e.offset + e.spec.nbytes], e.spec))
+            for b in self.plan.buckets
+            for e in b.entries
+        )
+        object.__setattr__(self, "views", views)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for b in self.plan.buckets:
-            for e in b.entries:
-                start = b.offset + e.offset
-                yield e.spec.name, from_bytes(self.buffer[start : start + e.spec.nbytes], e.spec)
+        return iter(self.views)
 
 
 def update_key(version: int) -> str:
@@ -55,14 +62,21 @@ class WeightReceiver:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         return self._buffer
 
-    def receive(self, plan: BucketPlan, key: str, *, decision_timeout_s: float) -> StagedWeights:
-        """Wait for the trainer's decision on ``key``, then receive every bucket of ``plan``.
+    def receive(
+        self, plan: BucketPlan, key: str, *, decision_timeout_s: float, into: torch.Tensor | None = None
+    ) -> StagedWeights:
+        """Wait for the trainer's decision on ``key``, then receive every bucket of ``plan`` into
+        the receiver's staging buffer, or into ``into`` (a uint8 buffer of ``plan.total_bytes`` on
+        the group's device that the caller owns, e.g. :meth:`DoubleBuffer.spare
+        <pipelinerl_sdk.weights.swap.DoubleBuffer.spare>`).
 
         Raises :class:`~pipelinerl_sdk.errors.UpdateAborted` if the trainer called it off (the
         group stays healthy), :class:`GroupError` on a timeout or a lost peer (the group is then
         broken)."""
+        if into is not None and (into.dtype != torch.uint8 or into.numel() != plan.total_bytes):
+            raise ValueError(f"into: need a uint8 buffer of {plan.total_bytes} bytes, got {into.dtype} {into.numel()}")
         self.group.await_decision(key, decision_timeout_s)
-        buf = self._staging(plan.total_bytes)
+        buf = into if into is not None else self._staging(plan.total_bytes)
         t0 = time.perf_counter()
         for b in plan.buckets:
             self.group.broadcast(buf[b.offset : b.offset + b.nbytes], 0, what=f"receive of bucket {b.index}")
