@@ -22,6 +22,7 @@ from pipelinerl_sdk.contracts import (
     TrainerSpec,
     UpdateReport,
     WeightSink,
+    lend,
 )
 from pipelinerl_sdk.errors import (
     FanOutError,
@@ -63,5 +64,6 @@ __all__ = [
     "WeightUpdateRequest",
     "__version__",
     "hookimpl",
+    "lend",
     "load_registry",
 ]

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="gather: trainer option")
     k.add_argument("--model", default=None, help="model dir (default: a freshly built 'bench' preset)")
     k.add_argument("--seconds", type=float, default=8.0, help="length of each throughput window")
-    k.add_argument("--updates", type=int, default=5, help="updates timed (per mode for weight-update)")
+    k.add_argument("--updates", type=int, default=9, help="updates timed (per mode for weight-update)")
     k.add_argument("--concurrency", type=int, default=16)
     k.add_argument("--bucket-mb", type=int, default=64)
     k.add_argument("--json", action="store_true", help="one JSON object on one line")

@@ -346,6 +346,19 @@ class WeightSink(Protocol):
     def send(self, name: str, tensor: torch.Tensor) -> None: ...
 
 
+def lend(sink: WeightSink, name: str, tensor: torch.Tensor) -> None:
+    """Hand ``tensor`` to ``sink`` promising that it stays alive and unchanged until the update
+    ends (the publisher's ``update`` block exits). A sink with a ``lend`` method (the SDK's
+    :class:`~pipelinerl_sdk.weights.send.WeightSender`) may then broadcast straight from the
+    tensor's memory; any other sink gets :meth:`WeightSink.send`. For trainers whose full params
+    persist between steps (replicated weights, no gather); gathered layers are sent."""
+    lender = getattr(sink, "lend", None)
+    if callable(lender):
+        lender(name, tensor)
+    else:
+        sink.send(name, tensor)
+
+
 @dataclass(frozen=True, slots=True)
 class StepMetrics:
     step: int

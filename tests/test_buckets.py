@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelinerl_sdk.protocol import DTYPE_SIZES, ParamSpec
-from pipelinerl_sdk.weights.buckets import ALIGN, BucketPlan
+from pipelinerl_sdk.weights.buckets import ALIGN, BucketPlan, flat_layout
 from pipelinerl_sdk.weights.receive import StagedWeights
 from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, as_bytes, dtype_name, from_bytes, spec_of
 
@@ -83,6 +83,15 @@ def test_plan_is_greedy(specs: list[ParamSpec], bucket_bytes: int) -> None:
         start = (used + ALIGN - 1) // ALIGN * ALIGN
         padded_end = (start + first.nbytes + ALIGN - 1) // ALIGN * ALIGN
         assert padded_end > bucket_bytes
+
+
+@given(specs=spec_lists(), bucket_bytes=bucket_bytes_st)
+def test_staging_layout_does_not_depend_on_bucket_bytes(specs: list[ParamSpec], bucket_bytes: int) -> None:
+    """What lets a trainer keep its params in one buffer that any plan can broadcast from."""
+    plan = BucketPlan.build(specs, bucket_bytes)
+    offsets, total = flat_layout(specs)
+    assert [b.offset + e.offset for b in plan.buckets for e in b.entries] == offsets
+    assert plan.total_bytes == total
 
 
 def test_plan_exact_layout() -> None:

@@ -125,17 +125,20 @@ def test_request_in_flight_across_update_keeps_running_and_switches_version(
             pub = WeightPublisher([client], bucket_bytes=64 << 10)
             await pub.connect()
             old = (await client.info()).version
-            n, budget = 6, 1000
+            train_step(trainer, seed=11)  # before the requests start: the update follows them at once
+            # 6 x 2000 tokens take over a second on the tiny model; the update lands after 0.1 s
+            # plus its own few tens of ms (with 1000 tokens, a fast machine finished them first)
+            n, budget = 6, 2000
             running = [
                 asyncio.create_task(
                     client.chat({"messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "seed": i})
                 )
                 for i in range(n)
             ]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.1)
             assert not any(r.done() for r in running), "the requests must still be running when the update starts"
-            train_step(trainer, seed=11)
             await publish(pub, trainer, old + 1)
+            assert not all(r.done() for r in running), "the update must land while the requests run"
             for resp in await asyncio.gather(*running):  # none dropped, none aborted
                 versions = resp.choices[0].weight_versions
                 assert len(versions) == budget and resp.choices[0].finish_reason == "length"

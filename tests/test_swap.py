@@ -34,11 +34,11 @@ def test_full_update_swaps_and_keeps_parameter_objects_and_ties() -> None:
     m = model()
     params = dict(m.named_parameters())
     objects = {n: id(p) for n, p in params.items()}
-    db = DoubleBuffer(params)
+    db = DoubleBuffer()
     new = {n: torch.randn_like(p) for n, p in params.items()}
     plan_bytes = BucketPlan.build([spec_of(n, v) for n, v in new.items()], 128).total_bytes
     spare = db.spare(plan_bytes, torch.device("cpu"))
-    applied = db.apply(staged_update(params, spare, new))
+    applied = db.apply(staged_update(params, spare, new), params)
     assert applied.swapped and applied.nbytes == sum(v.numel() * 4 for v in new.values())
     after = dict(m.named_parameters())
     assert {n: id(p) for n, p in after.items()} == objects
@@ -54,14 +54,14 @@ def test_full_update_swaps_and_keeps_parameter_objects_and_ties() -> None:
 def test_buffers_alternate_and_a_receive_never_lands_in_live_weights() -> None:
     m = model()
     params = dict(m.named_parameters())
-    db = DoubleBuffer(params)
+    db = DoubleBuffer()
     nbytes = BucketPlan.build([spec_of(n, p) for n, p in params.items()], 128).total_bytes
     first = db.spare(nbytes, torch.device("cpu"))
-    db.apply(staged_update(params, first, {n: torch.full_like(p, 1.0) for n, p in params.items()}))
+    db.apply(staged_update(params, first, {n: torch.full_like(p, 1.0) for n, p in params.items()}), params)
     # before the first swap the model had its own storages: the next spare is a new buffer
     second = db.spare(nbytes, torch.device("cpu"))
     assert second.data_ptr() != first.data_ptr()
-    db.apply(staged_update(params, second, {n: torch.full_like(p, 2.0) for n, p in params.items()}))
+    db.apply(staged_update(params, second, {n: torch.full_like(p, 2.0) for n, p in params.items()}), params)
     # from now on the two buffers alternate; the spare is always the one not live
     third = db.spare(nbytes, torch.device("cpu"))
     assert third.data_ptr() == first.data_ptr()
@@ -72,16 +72,16 @@ def test_buffers_alternate_and_a_receive_never_lands_in_live_weights() -> None:
 def test_partial_update_or_foreign_buffer_is_copied_not_swapped() -> None:
     m = model()
     params = dict(m.named_parameters())
-    db = DoubleBuffer(params)
+    db = DoubleBuffer()
     storages = {n: p.untyped_storage().data_ptr() for n, p in params.items()}
     bias = {"1.bias": torch.full((11,), 7.0)}
     nbytes = BucketPlan.build([spec_of(n, v) for n, v in bias.items()], 128).total_bytes
-    applied = db.apply(staged_update(params, db.spare(nbytes, torch.device("cpu")), bias))
+    applied = db.apply(staged_update(params, db.spare(nbytes, torch.device("cpu")), bias), params)
     assert not applied.swapped and torch.equal(m[1].bias, bias["1.bias"])
     full = BucketPlan.build([spec_of(n, p) for n, p in params.items()], 128)
     foreign = torch.empty(full.total_bytes, dtype=torch.uint8)
     new = {n: torch.full_like(p, 3.0) for n, p in params.items()}
-    applied = db.apply(staged_update(params, foreign, new))
+    applied = db.apply(staged_update(params, foreign, new), params)
     assert not applied.swapped
     assert all(torch.equal(p, new[n]) for n, p in m.named_parameters())
     assert {n: p.untyped_storage().data_ptr() for n, p in m.named_parameters()} == storages
@@ -90,7 +90,7 @@ def test_partial_update_or_foreign_buffer_is_copied_not_swapped() -> None:
 def test_dtype_mismatch_is_not_swapped() -> None:
     m = model()
     params = dict(m.named_parameters())
-    db = DoubleBuffer(params)
+    db = DoubleBuffer()
     new = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
     nbytes = BucketPlan.build([spec_of(n, v) for n, v in new.items()], 128).total_bytes
-    assert not db.can_swap(staged_update(params, db.spare(nbytes, torch.device("cpu")), new))
+    assert not db.can_swap(staged_update(params, db.spare(nbytes, torch.device("cpu")), new), params)

@@ -8,13 +8,16 @@ once:
 - ``memcpy_s``: one in-process ``dst.copy_(src)`` of a flat buffer of all param bytes (median of
   5 after a warm-up, with the server's torch thread count): the floor for a pause;
 - ``flat_broadcast_s``: one flat broadcast of all param bytes through the same group
-  (``publisher.probe``; send seconds, median of 3 after a warm-up): the floor for an update.
+  (``publisher.probe``; send seconds): the floor for an update. Measured interleaved with the
+  timed idle updates of each mode (probe, update, probe, update, ...), so a ratio compares the
+  two under the same conditions: this machine's loopback broadcast alone varies by up to 1.8x
+  between minutes. Each mode reports the median of its own probes; the top level, of all probes.
 
 Then, per receive mode (``staged``, ``direct``) and, when the backend names one
 (``InferenceBackend.native_update_flow``), for the engine's own documented flow (``native``, the
 anchor: :mod:`pipelinerl_sdk.bench.anchor`): one warm-up update, ``updates`` timed updates
-on an idle server (``update_wall_s`` = ``publisher.last.wall_s``, ``pause_s`` = the server's
-reported pause; medians), then a chat load (``concurrency`` workers, ``max_tokens`` 32,
+on an idle server, each after a flat probe (``update_wall_s`` = ``publisher.last.wall_s``,
+``pause_s`` = the server's reported pause; medians), then a chat load (``concurrency`` workers, ``max_tokens`` 32,
 temperature 1.0, ``ignore_eos``; see :mod:`pipelinerl_sdk.bench.load`) measured over two
 back-to-back windows of ``seconds``: without updates, then with one update published every
 second. Tokens count only requests that finish inside a window. ``under_load`` holds the figures
@@ -102,7 +105,7 @@ def run_weight_update_bench(
     backend: str = "reference",
     model: str | os.PathLike[str] | None = None,
     seconds: float = 8.0,
-    updates: int = 5,
+    updates: int = 9,
     concurrency: int = 16,
     bucket_mb: int = 64,
     torch_threads: int | None = 1,
@@ -207,9 +210,11 @@ async def _bench(
 
         memcpy_s = _memcpy_seconds(model_bytes, memcpy_threads)  # nothing else runs yet: block the loop
         await publisher.probe(model_bytes)  # warm-up
-        probes = [await publisher.probe(model_bytes) for _ in range(3)]
-        flat_broadcast_s = statistics.median(send for send, _ in probes)
-        flat_receive_s = statistics.median(max(by_url.values()) for _, by_url in probes)
+        probes: list[tuple[float, dict[str, float]]] = []
+
+        async def probe() -> float:
+            probes.append(await publisher.probe(model_bytes))
+            return probes[-1][0]
 
         versions = itertools.count(info.version + 1)
         # Every way of updating (the SDK's modes, the engine's own flow) is timed the same way.
@@ -221,7 +226,7 @@ async def _bench(
             seconds=seconds,
             concurrency=concurrency,
             memcpy_s=memcpy_s,
-            flat_broadcast_s=flat_broadcast_s,
+            probe=probe,
             cpu=_CpuMeter([server.pid]),
         )
         modes: dict[str, Any] = {}
@@ -257,8 +262,8 @@ async def _bench(
         return {
             "model_bytes": model_bytes,
             "memcpy_s": memcpy_s,
-            "flat_broadcast_s": flat_broadcast_s,
-            "flat_broadcast_receive_s": flat_receive_s,
+            "flat_broadcast_s": statistics.median(send for send, _ in probes),
+            "flat_broadcast_receive_s": statistics.median(max(by_url.values()) for _, by_url in probes),
             "flat_broadcast_s_samples": [send for send, _ in probes],
             "modes": modes,
             "targets": {**TARGETS, "applies_to": {k: list(v) for k, v in TARGET_MODES.items()}},
@@ -369,11 +374,16 @@ async def _bench_mode(
     seconds: float,
     concurrency: int,
     memcpy_s: float,
-    flat_broadcast_s: float,
+    probe: Callable[[], Awaitable[float]],
     cpu: _CpuMeter,
 ) -> dict[str, Any]:
     await publish(next(versions))  # warm-up
-    idle = _summary([await publish(next(versions)) for _ in range(updates)])
+    flats, records = [], []
+    for _ in range(updates):  # interleaved: each ratio compares like with like
+        flats.append(await probe())
+        records.append(await publish(next(versions)))
+    idle = _summary(records)
+    flat_broadcast_s = statistics.median(flats)
 
     loop = asyncio.get_running_loop()
     under_load: list[UpdateRecord] = []
@@ -401,6 +411,8 @@ async def _bench_mode(
         **idle,
         "pause_over_memcpy": idle["pause_s"] / memcpy_s,
         "update_over_flat_broadcast": idle["update_wall_s"] / flat_broadcast_s,
+        "flat_broadcast_s": flat_broadcast_s,
+        "flat_broadcast_s_samples": flats,
         "tokens_per_s_ratio_updating": ratio,
         "tokens_per_s_no_updates": baseline.tokens_per_s,
         "tokens_per_s_updating": updating.tokens_per_s,

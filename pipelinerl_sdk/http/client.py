@@ -46,14 +46,21 @@ class UpdateCall:
     """One in-progress ``/request_weight_update``: :attr:`accepted` resolves when the server armed
     its receive (or raises if it refused), :attr:`final` when it reports ``done``/``error``."""
 
-    def __init__(self, client: InferenceClient, req: WeightUpdateRequest) -> None:
+    def __init__(self, client: InferenceClient, req: WeightUpdateRequest, after: asyncio.Task[None] | None) -> None:
         self.url = client.url
         loop = asyncio.get_running_loop()
         self.accepted: asyncio.Future[UpdateEvent] = loop.create_future()
         self.final: asyncio.Future[UpdateEvent] = loop.create_future()
-        self._task = asyncio.create_task(self._run(client, req))
+        self._task = asyncio.create_task(self._run(client, req, after))
 
-    async def _run(self, client: InferenceClient, req: WeightUpdateRequest) -> None:
+    @property
+    def closed(self) -> asyncio.Task[None]:
+        """Done once the response is read to its end (its connection is back in the pool)."""
+        return self._task
+
+    async def _run(self, client: InferenceClient, req: WeightUpdateRequest, after: asyncio.Task[None] | None) -> None:
+        if after is not None:  # the previous update's connection is about to be free: reuse it
+            await asyncio.wait([after])
         try:
             async with client._http.stream(
                 "POST",
@@ -71,16 +78,18 @@ class UpdateCall:
                         continue  # past the final event the server only ends the stream
                     event = UpdateEvent.model_validate_json(line)
                     self._resolve(self.accepted, event)
-                    if event.event != "accepted":
+                    if event.event == "error":
                         final = event
-                # Reported only once the stream has ended: a response closed half-read cannot
+                        detail = f"update to version {req.version} failed: {event.detail}"
+                        self._fail(ServerError(self.url, detail, status=200))
+                    elif event.event != "accepted":
+                        final = event
+                        self._resolve(self.final, event)
+                # Read to the end even after the final event: a response closed half-read cannot
                 # return its connection to the pool, and every update then paid for a new TCP
                 # connection (about 3 ms on loopback, more on a loaded host).
                 if final is None:
                     raise ServerError(self.url, "update stream ended without a final event", status=200)
-                if final.event == "error":
-                    raise ServerError(self.url, f"update to version {req.version} failed: {final.detail}", status=200)
-                self._resolve(self.final, final)
         except ServerError as e:
             self._fail(e)
         except Exception as e:  # httpx errors, a malformed event, anything else: never leave a future pending
@@ -128,6 +137,7 @@ class InferenceClient:
         max_connections: int = 256,
     ) -> None:
         self.url = url.rstrip("/")
+        self._last_update: asyncio.Task[None] | None = None
         self._control_token = control_token
         self._api_key = api_key
         limits = httpx.Limits(
@@ -190,8 +200,11 @@ class InferenceClient:
         return InitProcessGroupResponse.model_validate(body)
 
     def request_weight_update(self, req: WeightUpdateRequest) -> UpdateCall:
-        """Start an update call; await ``.accepted`` before broadcasting, then ``.final``."""
-        return UpdateCall(self, req)
+        """Start an update call; await ``.accepted`` before broadcasting, then ``.final``. The
+        request goes out once the previous call's response has been read to its end."""
+        call = UpdateCall(self, req, self._last_update)
+        self._last_update = call.closed
+        return call
 
     async def probe_broadcast(self, req: ProbeBroadcastRequest) -> dict[str, Any]:
         result: dict[str, Any] = await self._call(

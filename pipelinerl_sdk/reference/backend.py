@@ -84,10 +84,10 @@ class ReferenceInferenceBackend(InferenceBackend):
             max_batch_size=int(opts.get("max_batch_size", 32)),
             max_model_len=int(opts.get("max_model_len", 2048)),
         )
-        params = dict(self.model.named_parameters())
-        self._specs = [spec_of(name, p) for name, p in params.items()]
+        self._params = dict(self.model.named_parameters())
+        self._specs = [spec_of(name, p) for name, p in self._params.items()]
         #: A full update is received into the spare buffer and swapped in (no copy in the pause).
-        self._weights = DoubleBuffer(params)
+        self._weights = DoubleBuffer()
         self._default_mode: ReceiveMode = config.receive_mode or "staged"
         self._group: WeightSyncGroup | None = None
         self._receiver: WeightReceiver | None = None
@@ -191,14 +191,14 @@ class ReferenceInferenceBackend(InferenceBackend):
                 staged = await asyncio.to_thread(receive)
                 async with self.engine.paused() as hold:
                     t_apply = time.perf_counter()
-                    self._weights.apply(staged)
+                    self._weights.apply(staged, self._params)
                     apply_s = time.perf_counter() - t_apply
                     self.engine.set_version(req.version)
             else:
                 async with self.engine.paused() as hold:
                     staged = await asyncio.to_thread(receive)
                     t_apply = time.perf_counter()
-                    self._weights.apply(staged)
+                    self._weights.apply(staged, self._params)
                     apply_s = time.perf_counter() - t_apply
                     self.engine.set_version(req.version)
         except UpdateAborted:

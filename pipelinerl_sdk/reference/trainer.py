@@ -4,7 +4,10 @@ One rank or several: with ``torch.distributed`` initialised (gloo, by ``torchrun
 :func:`pipelinerl_sdk.trainer_group.run_ranks`), ``step`` sums the gradients of all ranks in one
 flat all-reduce, so the update equals the gradient of the objective summed over every rank's
 micro-batches (the :class:`~pipelinerl_sdk.contracts.Objective` contract). Every rank holds the
-full model, so ``gather_and_broadcast`` needs no gather: rank 0 hands each parameter to the sink.
+full model, so ``gather_and_broadcast`` needs no gather: rank 0 lends each parameter to the sink.
+The params live in one buffer in the weight-sync staging layout
+(:func:`~pipelinerl_sdk.weights.tensors.flatten_params`), so the SDK's sender broadcasts every
+bucket straight from the trainer's memory, without packing a copy.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from pipelinerl_sdk.contracts import (
     TrainerBackend,
     TrainerSpec,
     WeightSink,
+    lend,
 )
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.tiny import load_model
-from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, spec_of
+from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, flatten_params, spec_of
 
 CAPABILITIES = capabilities.TRAINER
 
@@ -58,6 +62,7 @@ class ReferenceTrainer(TrainerBackend):
         self._spec: TrainerSpec | None = None
         self._steps = 0
         self._pad_id = 0
+        self._flat: torch.Tensor | None = None
 
     def _require(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainerSpec]:
         if self.model is None or self.optimizer is None or self._spec is None:
@@ -80,6 +85,7 @@ class ReferenceTrainer(TrainerBackend):
         model.train()
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.model = model
+        self._flat = flatten_params(list(model.named_parameters()))
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=spec.lr,
@@ -133,7 +139,7 @@ class ReferenceTrainer(TrainerBackend):
             return
         with torch.no_grad():
             for name, p in model.named_parameters():
-                sink.send(name, p.detach())
+                lend(sink, name, p.detach())  # unchanged until the next step()
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """Full weights under HF names (for tests and checkpoints)."""
@@ -143,6 +149,7 @@ class ReferenceTrainer(TrainerBackend):
     def close(self) -> None:
         self.model = None
         self.optimizer = None
+        self._flat = None
 
 
 __all__ = ["TORCH_DTYPES", "ReferenceTrainer", "pad_batch", "token_logprobs"]

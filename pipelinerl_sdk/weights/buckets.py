@@ -9,6 +9,11 @@ Rules (the whole contract):
   ``bucket_bytes`` gets a bucket of its own, sized to it;
 - buckets lie back to back in one staging layout (``Bucket.offset``), so a receiver can stage a
   whole update in one flat buffer of ``plan.total_bytes``.
+
+Because bucket sizes are aligned too, that staging layout does not depend on ``bucket_bytes``:
+every param sits at the first aligned offset after the previous one (:func:`flat_layout`). A
+trainer that keeps its params in one buffer laid out so can have whole buckets broadcast from it
+(:meth:`WeightSender.lend <pipelinerl_sdk.weights.send.WeightSender.lend>`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,16 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def flat_layout(params: Sequence[ParamSpec]) -> tuple[list[int], int]:
+    """(byte offset of each param, total bytes) of the staging layout of ``params``: the same for
+    every ``bucket_bytes`` (``plan.buckets[i].offset + entry.offset`` and ``plan.total_bytes``)."""
+    offsets, end = [], 0
+    for spec in params:
+        offsets.append(_align(end))
+        end = offsets[-1] + spec.nbytes
+    return offsets, _align(end)
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,8 @@ class WeightPublisher:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the sender's bucket buffers held between updates (0 before the first)."""
+        """Bytes of the sender's bucket buffers held between updates (0 until an update needed
+        them: one whose every bucket was lent in place needs none)."""
         return sum(b.numel() * b.element_size() for b in self._buffers or [])
 
     async def connect(
@@ -169,10 +170,10 @@ class WeightPublisher:
             )
         group.post_decision(key, go=True)
         sender = WeightSender(group, plan, self._buffers)
-        self._buffers = sender.buffers
         try:
             yield sender
             stats = await asyncio.to_thread(sender.finish)
+            self._buffers = sender.buffers or self._buffers
         except BaseException as e:
             # The receivers are mid-broadcast: they fail on their timeout (or at once if the
             # group notices). Their old weights keep serving; report both sides.

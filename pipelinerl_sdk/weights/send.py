@@ -1,9 +1,18 @@
 """Trainer side: stream named tensors through the bucket plan into the group.
 
-Ownership: the sender owns two bucket buffers of ``plan.max_bucket_bytes`` each (the only extra
-memory it needs, whatever the model size). A tensor handed to :meth:`WeightSender.send` is copied
-before the call returns, so the caller may free or reuse it at once (gathered layers, say).
-Packing bucket k+1 overlaps the broadcast of bucket k.
+Two ways to hand over a param, in plan order:
+
+- :meth:`WeightSender.send` copies the tensor into one of two bucket buffers before it returns, so
+  the caller may free or reuse it at once (a gathered layer, say). Packing bucket k+1 overlaps the
+  broadcast of bucket k.
+- :meth:`WeightSender.lend` promises the tensor stays alive and unchanged until :meth:`finish`
+  returns. When every param of a bucket is lent and they lie in one storage at the plan's
+  offsets (a trainer that keeps its params in one buffer in the :func:`~pipelinerl_sdk.weights.
+  buckets.flat_layout`), the bucket is broadcast straight from that storage: no copy at all.
+  Otherwise the lent tensors are packed like sent ones.
+
+Memory: the two bucket buffers of ``plan.max_bucket_bytes``, allocated on the first bucket that
+needs packing (never, for a trainer whose every bucket is lent in place).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_sdk.errors import PipelineRLError
-from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.buckets import Bucket, BucketEntry, BucketPlan
 from pipelinerl_sdk.weights.group import WeightSyncGroup
 from pipelinerl_sdk.weights.tensors import TORCH_DTYPES, as_bytes
 
@@ -29,30 +38,43 @@ class SendStats:
     bytes_sent: int
     buckets: int
     seconds: float
+    #: Buckets broadcast straight from lent tensors' storage (no packing copy).
+    in_place_buckets: int = 0
 
 
 class WeightSender:
-    """Rank 0 of the group. Call :meth:`send` once per param, in plan order, then
-    :meth:`finish`. Any error leaves the group broken for the receivers' timeout to notice;
-    the sender itself never retries."""
+    """Rank 0 of the group. Call :meth:`send` or :meth:`lend` once per param, in plan order, then
+    :meth:`finish`. Any error leaves the group broken for the receivers' timeout to notice; the
+    sender itself never retries."""
 
     def __init__(self, group: WeightSyncGroup, plan: BucketPlan, buffers: list[torch.Tensor] | None = None) -> None:
         """``buffers``: two uint8 tensors of at least ``plan.max_bucket_bytes`` on the group's
-        device to reuse (fresh pages cost a first-touch fault on every update); allocated if None."""
+        device to reuse (fresh pages cost a first-touch fault on every update); allocated when
+        first needed if None."""
         if group.rank != 0:
             raise PipelineRLError("only rank 0 of the weight-update group sends")
         self._group = group
         self._plan = plan
-        self._order = [(b.index, e) for b in plan.buckets for e in b.entries]
+        self._order = [(b, e) for b in plan.buckets for e in b.entries]
         self._next = 0
         size = plan.max_bucket_bytes
-        if buffers is None or len(buffers) != 2 or any(b.numel() < size for b in buffers):
-            buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        self.buffers = buffers
+        if buffers is not None and (len(buffers) != 2 or any(b.numel() < size for b in buffers)):
+            buffers = None
         self._buffers = buffers
         self._pending: list[dist.Work | None] = [None, None]
+        # The bucket being filled: lent tensors not yet packed, and where the bucket would start
+        # in their storage (None once it is being packed).
+        self._lent: list[tuple[BucketEntry, torch.Tensor]] = []
+        self._in_place: tuple[int, int] | None = None  # (storage data_ptr, byte offset of the bucket)
+        self._packing = False
         self._started = time.perf_counter()
         self._sent = 0
+        self._direct = 0
+
+    @property
+    def buffers(self) -> list[torch.Tensor] | None:
+        """The two bucket buffers, once allocated (a publisher keeps them for the next update)."""
+        return self._buffers
 
     @property
     def expected(self) -> str | None:
@@ -60,32 +82,27 @@ class WeightSender:
         return self._order[self._next][1].spec.name if self._next < len(self._order) else None
 
     def send(self, name: str, tensor: torch.Tensor) -> None:
-        if self._next >= len(self._order):
-            raise SendOrderError(f"{name!r}: every param of the plan was already sent")
-        bucket_index, entry = self._order[self._next]
-        spec = entry.spec
-        if name != spec.name:
-            raise SendOrderError(f"expected param {spec.name!r} next, got {name!r}")
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
-            raise SendOrderError(
-                f"{name!r}: got {tensor.dtype} {tuple(tensor.shape)}, plan says {spec.dtype} {spec.shape}"
-            )
-        slot = bucket_index % 2
-        if entry.offset == 0:
-            self._drain(slot)  # the buffer is reused: its previous broadcast must be done
-        buf = self._buffers[slot]
-        buf[entry.offset : entry.offset + spec.nbytes].copy_(as_bytes(tensor))
-        self._next += 1
-        bucket = self._plan.buckets[bucket_index]
-        if entry is bucket.entries[-1]:
-            self._pending[slot] = self._group.broadcast_async(buf[: bucket.nbytes], 0)
-            self._sent += bucket.nbytes
+        """Copy ``tensor`` into its bucket; the caller may reuse it as soon as this returns."""
+        bucket, entry = self._take(name, tensor)
+        self._pack_lent(bucket)
+        self._copy(bucket, entry, tensor)
+        self._close_if_full(bucket, entry)
 
-    def _drain(self, slot: int) -> None:
-        work = self._pending[slot]
-        if work is not None:
-            self._pending[slot] = None
-            self._group.wait(work, "weight broadcast")
+    def lend(self, name: str, tensor: torch.Tensor) -> None:
+        """Hand over ``tensor`` without a copy where the layout allows (see the module doc). The
+        caller must keep it alive and unchanged until :meth:`finish` returns."""
+        bucket, entry = self._take(name, tensor)
+        if not self._packing:
+            here = _location(tensor, self._group.device)
+            start = None if here is None else (here[0], here[1] - entry.offset)
+            if start is not None and ((self._in_place is None and entry.offset == 0) or start == self._in_place):
+                self._in_place = start
+                self._lent.append((entry, tensor))
+                self._close_if_full(bucket, entry)
+                return
+            self._pack_lent(bucket)
+        self._copy(bucket, entry, tensor)
+        self._close_if_full(bucket, entry)
 
     def finish(self) -> SendStats:
         """Wait for the last broadcasts; SendOrderError if params are missing."""
@@ -93,7 +110,82 @@ class WeightSender:
             raise SendOrderError(f"update incomplete: next expected param is {self.expected!r}")
         self._drain(0)
         self._drain(1)
-        return SendStats(self._sent, len(self._plan.buckets), time.perf_counter() - self._started)
+        return SendStats(self._sent, len(self._plan.buckets), time.perf_counter() - self._started, self._direct)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _take(self, name: str, tensor: torch.Tensor) -> tuple[Bucket, BucketEntry]:
+        """Check ``tensor`` is the param the plan expects next and advance; a new bucket waits
+        for the broadcast that last used its slot."""
+        if self._next >= len(self._order):
+            raise SendOrderError(f"{name!r}: every param of the plan was already sent")
+        bucket, entry = self._order[self._next]
+        spec = entry.spec
+        if name != spec.name:
+            raise SendOrderError(f"expected param {spec.name!r} next, got {name!r}")
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
+            raise SendOrderError(
+                f"{name!r}: got {tensor.dtype} {tuple(tensor.shape)}, plan says {spec.dtype} {spec.shape}"
+            )
+        self._next += 1
+        if entry.offset == 0:
+            self._drain(bucket.index % 2)  # at most two broadcasts in flight; the slot's buffer is free
+            self._lent, self._in_place, self._packing = [], None, False
+        return bucket, entry
+
+    def _buffer(self, bucket: Bucket) -> torch.Tensor:
+        if self._buffers is None:
+            size = self._plan.max_bucket_bytes
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self._group.device) for _ in range(2)]
+        return self._buffers[bucket.index % 2]
+
+    def _copy(self, bucket: Bucket, entry: BucketEntry, tensor: torch.Tensor) -> None:
+        self._packing = True
+        self._buffer(bucket)[entry.offset : entry.offset + entry.spec.nbytes].copy_(as_bytes(tensor))
+
+    def _pack_lent(self, bucket: Bucket) -> None:
+        """The bucket cannot go out in place: copy what was lent to it so far."""
+        lent, self._lent, self._in_place = self._lent, [], None
+        for entry, tensor in lent:
+            self._copy(bucket, entry, tensor)
+
+    def _close_if_full(self, bucket: Bucket, entry: BucketEntry) -> None:
+        if entry is not bucket.entries[-1]:
+            return
+        slot = bucket.index % 2
+        in_place = None if self._packing else self._storage_slice(bucket)
+        if in_place is not None:
+            payload = in_place
+            self._direct += 1
+        else:  # packed, or the bucket's padding would run past the lent storage's end
+            self._pack_lent(bucket)
+            payload = self._buffer(bucket)[: bucket.nbytes]
+        self._lent = []
+        self._pending[slot] = self._group.broadcast_async(payload, 0)
+        self._sent += bucket.nbytes
+
+    def _storage_slice(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket's bytes, read in place from the storage its lent tensors share."""
+        assert self._in_place is not None and self._lent
+        storage = self._lent[0][1].untyped_storage()
+        start = self._in_place[1]
+        if start < 0 or start + bucket.nbytes > storage.nbytes():
+            return None
+        out = torch.empty(0, dtype=torch.uint8, device=self._group.device)
+        return out.set_(storage, start, (bucket.nbytes,), (1,))
+
+    def _drain(self, slot: int) -> None:
+        work = self._pending[slot]
+        if work is not None:
+            self._pending[slot] = None
+            self._group.wait(work, "weight broadcast")
+
+
+def _location(tensor: torch.Tensor, device: torch.device) -> tuple[int, int] | None:
+    """(storage data_ptr, byte offset in it) of a contiguous, non-empty tensor on ``device``."""
+    if tensor.device != device or not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()) * tensor.element_size()
 
 
 def broadcast_flat(group: WeightSyncGroup, nbytes: int) -> float:

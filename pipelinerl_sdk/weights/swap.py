@@ -36,10 +36,11 @@ class Applied:
 
 
 class DoubleBuffer:
-    """The live params of one model and the spare buffer its next update is received into."""
+    """The two flat buffers of one model's weights: the live one (once a swap happened) and the
+    spare one its next update is received into. The params stay the caller's; pass the same ones
+    (the model's) to every :meth:`apply`, or the buffer deemed spare may still be live."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
-        self._params = dict(params)
+    def __init__(self) -> None:
         self._live: torch.Tensor | None = None  # the buffer the params are views into, once swapped
         self._spare: torch.Tensor | None = None
 
@@ -52,26 +53,27 @@ class DoubleBuffer:
             self._spare = s = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return s
 
-    def can_swap(self, staged: StagedWeights) -> bool:
-        """True when ``staged`` covers every param exactly and lies in the spare buffer."""
+    def can_swap(self, staged: StagedWeights, params: Mapping[str, torch.Tensor]) -> bool:
+        """True when ``staged`` covers every one of ``params`` exactly and lies in the spare buffer."""
         if self._spare is None or staged.buffer is not self._spare:
             return False
         covered = 0
         for name, view in staged.tensors():  # names are unique within a plan
-            live = self._params.get(name)
+            live = params.get(name)
             if live is None or live.dtype != view.dtype or live.shape != view.shape or live.device != view.device:
                 return False
             covered += 1
-        return covered == len(self._params)
+        return covered == len(params)
 
     @torch.no_grad()
-    def apply(self, staged: StagedWeights) -> Applied:
-        """Make ``staged`` the live weights: a swap when :meth:`can_swap`, else a copy."""
-        if not self.can_swap(staged):
-            return Applied(apply_staged(staged, self._params), swapped=False)
+    def apply(self, staged: StagedWeights, params: Mapping[str, torch.Tensor]) -> Applied:
+        """Make ``staged`` the live ``params`` (name -> live tensor): a swap when :meth:`can_swap`,
+        else a copy."""
+        if not self.can_swap(staged, params):
+            return Applied(apply_staged(staged, params), swapped=False)
         nbytes = 0
         for name, view in staged.tensors():
-            self._params[name].data = view
+            params[name].data = view
             nbytes += view.numel() * view.element_size()
         self._live, self._spare = staged.buffer, self._live
         return Applied(nbytes, swapped=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pipelinerl_sdk.protocol import DTYPE_SIZES, DTypeName, ParamSpec
@@ -43,6 +45,27 @@ def hf_param_specs(model: str, dtype: str) -> list[ParamSpec]:
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     return [ParamSpec(name=n, dtype=dtype, shape=tuple(p.shape)) for n, p in m.named_parameters()]  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def flatten_params(params: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Move ``params`` (name, tensor; on one device) into one new uint8 buffer laid out like every
+    bucket plan's staging layout (:func:`~pipelinerl_sdk.weights.buckets.flat_layout`) and make
+    each param's ``.data`` its view there; returns the buffer. Values, dtypes, shapes and the
+    tensor objects are unchanged (optimizers and tied modules keep working), and a
+    :class:`~pipelinerl_sdk.weights.send.WeightSender` can then broadcast whole buckets of these
+    params, lent in this order, without a copy. Call it before building the optimizer."""
+    from pipelinerl_sdk.weights.buckets import flat_layout
+
+    if not params:
+        raise ValueError("params: at least one param is required")
+    offsets, total = flat_layout([spec_of(name, t) for name, t in params])
+    flat = torch.zeros(total, dtype=torch.uint8, device=params[0][1].device)
+    for (_, t), offset in zip(params, offsets, strict=True):
+        view = flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        t.data = view
+    return flat
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,13 @@ class VLLMNativeFlow:
             try:
                 receiving = asyncio.create_task(post("/update_weights", json={"update_info": info}))
                 sender = WeightSender(group, plan, self.buffers.get(plan.max_bucket_bytes))
-                self.buffers[plan.max_bucket_bytes] = sender.buffers
 
                 def broadcast() -> float:
                     send(sender)
-                    return sender.finish().seconds
+                    seconds = sender.finish().seconds
+                    if sender.buffers is not None:
+                        self.buffers[plan.max_bucket_bytes] = sender.buffers
+                    return seconds
 
                 send_s = await asyncio.to_thread(broadcast)
                 await receiving

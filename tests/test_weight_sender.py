@@ -1,0 +1,173 @@
+"""WeightSender on a real gloo group (rank 0 here, rank 1 in a thread): whatever mix of sent and
+lent tensors, the receiver gets every byte; lent tensors laid out by ``flatten_params`` go out
+in place (no packing copy, no bucket buffers)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipelinerl_sdk.contracts import lend
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.publisher import free_port
+from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver
+from pipelinerl_sdk.weights.send import SendStats, WeightSender
+from pipelinerl_sdk.weights.tensors import flatten_params, spec_of
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[WeightSyncGroup, WeightReceiver]]:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    joined: Future[WeightSyncGroup] = Future()
+    t = threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=30))))
+    t.start()
+    sender = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=30))
+    receiver = joined.result(timeout=30)
+    yield sender, WeightReceiver(receiver)
+    receiver.close()
+    sender.close()
+
+
+_keys = itertools.count()
+
+
+def transfer(
+    pair: tuple[WeightSyncGroup, WeightReceiver],
+    params: list[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    how: list[str],
+) -> tuple[SendStats, StagedWeights, WeightSender]:
+    """One update of ``params``; ``how[i]`` is ``send``, ``lend`` or ``lend-copy`` (a lent clone:
+    right values, wrong place)."""
+    group, receiver = pair
+    plan = BucketPlan.build([spec_of(n, t) for n, t in params], bucket_bytes)
+    key = f"test/{next(_keys)}"
+    staged: Future[StagedWeights] = Future()
+    rx = threading.Thread(target=lambda: staged.set_result(receiver.receive(plan, key, decision_timeout_s=30)))
+    rx.start()
+    group.post_decision(key, go=True)
+    sender = WeightSender(group, plan)
+    for (name, tensor), mode in zip(params, how, strict=True):
+        if mode == "send":
+            sender.send(name, tensor)
+        elif mode == "lend":
+            lend(sender, name, tensor)
+        else:
+            sender.lend(name, tensor.clone())
+    stats = sender.finish()
+    rx.join(30)
+    group.clear_decision(key)
+    return stats, staged.result(timeout=1), sender
+
+
+def model_params(sizes: list[tuple[int, torch.dtype]], seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (n, dtype) in enumerate(sizes):
+        t = torch.randint(-1000, 1000, (n,), generator=g).to(dtype)
+        out.append((f"layers.{i}.w", t.reshape(n, 1) if n % 2 else t))
+    return out
+
+
+def assert_received(params: list[tuple[str, torch.Tensor]], staged: StagedWeights) -> None:
+    got = dict(staged.tensors())
+    for name, tensor in params:
+        assert torch.equal(got[name], tensor), name
+
+
+def test_flattened_params_go_out_in_place(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    params = model_params([(1000, torch.float32), (33, torch.bfloat16), (4096, torch.float32), (7, torch.int64)] * 3)
+    flat = flatten_params(params)
+    for bucket_bytes in (64, 4096, 20_000, 1 << 20):
+        stats, staged, sender = transfer(pair, params, bucket_bytes, ["lend"] * len(params))
+        assert_received(params, staged)
+        assert stats.in_place_buckets == stats.buckets, bucket_bytes
+        assert sender.buffers is None  # nothing was packed: no bucket buffers at all
+        assert stats.bytes_sent == flat.numel()
+
+
+def test_separate_tensors_are_packed(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    params = model_params([(1000, torch.float32), (33, torch.bfloat16), (4096, torch.float32)])
+    stats, staged, sender = transfer(pair, params, 1 << 20, ["lend"] * len(params))
+    assert_received(params, staged)
+    assert stats.in_place_buckets == 0 and sender.buffers is not None
+
+
+def test_a_sent_or_misplaced_param_packs_only_its_bucket(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    # 4 params of 4000 B; buckets of 8192 B hold two each: [0, 1] [2, 3] [4, 5]
+    params = model_params([(1000, torch.float32)] * 6)
+    flatten_params(params)
+    how = ["lend", "lend", "lend", "send", "lend-copy", "lend"]
+    stats, staged, _ = transfer(pair, params, 8192, how)
+    assert_received(params, staged)
+    assert stats.buckets == 3 and stats.in_place_buckets == 1
+
+
+def test_right_offsets_in_another_buffer_are_packed(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    """Two copies of the model, each flattened: a bucket mixing params of both has every param at
+    its offset, but not in one storage; it must be packed, not read from either buffer."""
+    a = model_params([(1000, torch.float32)] * 4, seed=1)
+    b = model_params([(1000, torch.float32)] * 4, seed=2)
+    flatten_params(a)
+    flatten_params(b)
+    mixed = [a[0], b[1], a[2], b[3]]
+    stats, staged, _ = transfer(pair, mixed, 1 << 20, ["lend"] * 4)
+    assert_received(mixed, staged)
+    assert stats.buckets == 1 and stats.in_place_buckets == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from(DTYPES)), min_size=1, max_size=10),
+    bucket_bytes=st.integers(64, 16_384),
+    flattened=st.booleans(),
+    data=st.data(),
+)
+def test_any_mix_of_send_and_lend_delivers_every_byte(
+    pair: tuple[WeightSyncGroup, WeightReceiver],
+    sizes: list[tuple[int, torch.dtype]],
+    bucket_bytes: int,
+    flattened: bool,
+    data: st.DataObject,
+) -> None:
+    params = model_params(sizes, seed=len(sizes))
+    if flattened:
+        flatten_params(params)
+    modes = st.sampled_from(["send", "lend", "lend-copy"])
+    how = data.draw(st.lists(modes, min_size=len(params), max_size=len(params)))
+    stats, staged, _ = transfer(pair, params, bucket_bytes, how)
+    assert_received(params, staged)
+    if flattened and all(h == "lend" for h in how):
+        assert stats.in_place_buckets == stats.buckets
+    if not flattened:
+        # separate tensors can be in place only one per bucket, where a bucket holds one param
+        assert stats.in_place_buckets <= sum(1 for h in how if h != "send")
+
+
+def test_flatten_params_keeps_values_objects_and_training(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    ids = {n: id(p) for n, p in m.named_parameters()}
+    flat = flatten_params(list(m.named_parameters()))
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]) and id(p) == ids[n]
+        assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(2, 5)).sum().backward()
+    opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in m.named_parameters())
+    # the step wrote into the flat buffer: the params are still its views
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in m.parameters())
+    with pytest.raises(ValueError, match="at least one"):
+        flatten_params([])
