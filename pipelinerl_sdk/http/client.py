@@ -46,7 +46,7 @@ class UpdateCall:
     """One in-progress ``/request_weight_update``: :attr:`accepted` resolves when the server armed
     its receive (or raises if it refused), :attr:`final` when it reports ``done``/``error``."""
 
-    def __init__(self, client: InferenceClient, req: WeightUpdateRequest, after: asyncio.Task[None] | None) -> None:
+    def __init__(self, client: InferenceClient, req: WeightUpdateRequest, after: UpdateCall | None = None) -> None:
         self.url = client.url
         loop = asyncio.get_running_loop()
         self.accepted: asyncio.Future[UpdateEvent] = loop.create_future()
@@ -58,9 +58,15 @@ class UpdateCall:
         """Done once the response is read to its end (its connection is back in the pool)."""
         return self._task
 
-    async def _run(self, client: InferenceClient, req: WeightUpdateRequest, after: asyncio.Task[None] | None) -> None:
-        if after is not None:  # the previous update's connection is about to be free: reuse it
-            await asyncio.wait([after])
+    async def settled(self) -> None:
+        """Once the final event is in, wait (up to :data:`DRAIN_WAIT_S`) for the stream's end,
+        which follows it at once: a request sent meanwhile would open a new connection."""
+        if self.final.done() and not self._task.done():
+            await asyncio.wait([self._task], timeout=DRAIN_WAIT_S)
+
+    async def _run(self, client: InferenceClient, req: WeightUpdateRequest, after: UpdateCall | None) -> None:
+        if after is not None:
+            await after.settled()
         try:
             async with client._http.stream(
                 "POST",
@@ -117,6 +123,9 @@ class UpdateCall:
             await self._task
 
 
+#: How long a new update call waits for the previous one's stream to end (normally well under
+#: a millisecond after its final event) so that it can reuse that connection.
+DRAIN_WAIT_S = 1.0
 #: Idle connections are dropped before uvicorn's default keep-alive (5 s, which vLLM and SGLang
 #: keep) closes them on the server side; reusing one at that moment reads a closed socket.
 KEEPALIVE_EXPIRY_S = 4.0
@@ -137,7 +146,7 @@ class InferenceClient:
         max_connections: int = 256,
     ) -> None:
         self.url = url.rstrip("/")
-        self._last_update: asyncio.Task[None] | None = None
+        self._last_update: UpdateCall | None = None
         self._control_token = control_token
         self._api_key = api_key
         limits = httpx.Limits(
@@ -168,6 +177,8 @@ class InferenceClient:
         timeout: float | None = None,
     ) -> Any:
         headers = self._control_headers() if control else self._api_headers()
+        if self._last_update is not None:
+            await self._last_update.settled()
         try:
             resp = await self._http.request(
                 method,
@@ -200,10 +211,11 @@ class InferenceClient:
         return InitProcessGroupResponse.model_validate(body)
 
     def request_weight_update(self, req: WeightUpdateRequest) -> UpdateCall:
-        """Start an update call; await ``.accepted`` before broadcasting, then ``.final``. The
-        request goes out once the previous call's response has been read to its end."""
+        """Start an update call; await ``.accepted`` before broadcasting, then ``.final``. Like
+        every request of this client, it first lets an ended update's stream finish
+        (:meth:`UpdateCall.settled`), so it reuses that connection."""
         call = UpdateCall(self, req, self._last_update)
-        self._last_update = call.closed
+        self._last_update = call
         return call
 
     async def probe_broadcast(self, req: ProbeBroadcastRequest) -> dict[str, Any]:

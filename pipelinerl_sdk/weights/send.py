@@ -69,7 +69,7 @@ class WeightSender:
         self._packing = False
         self._started = time.perf_counter()
         self._sent = 0
-        self._direct = 0
+        self._in_place_count = 0
 
     @property
     def buffers(self) -> list[torch.Tensor] | None:
@@ -110,7 +110,7 @@ class WeightSender:
             raise SendOrderError(f"update incomplete: next expected param is {self.expected!r}")
         self._drain(0)
         self._drain(1)
-        return SendStats(self._sent, len(self._plan.buckets), time.perf_counter() - self._started, self._direct)
+        return SendStats(self._sent, len(self._plan.buckets), time.perf_counter() - self._started, self._in_place_count)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ class WeightSender:
         in_place = None if self._packing else self._storage_slice(bucket)
         if in_place is not None:
             payload = in_place
-            self._direct += 1
+            self._in_place_count += 1
         else:  # packed, or the bucket's padding would run past the lent storage's end
             self._pack_lent(bucket)
             payload = self._buffer(bucket)[: bucket.nbytes]
