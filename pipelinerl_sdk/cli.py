@@ -139,10 +139,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     from pipelinerl_sdk.pipeline.config import PipelineConfig
     from pipelinerl_sdk.pipeline.run import run_pipeline
 
-    summary = run_pipeline(PipelineConfig.load(args.config, args.set))
+    config = PipelineConfig.load(args.config, args.set)
+    # SIGTERM unwinds the run like Ctrl-C, so it stops the inference servers it started: they run
+    # in sessions of their own, and killing this process alone would leave them serving.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    try:
+        summary = run_pipeline(config)
+    except KeyboardInterrupt:
+        print("pipelinerl: run interrupted; the servers it started were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(summary.line())
     return 0 if summary.reached_target or summary.steps else 1
 
