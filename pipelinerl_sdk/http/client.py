@@ -53,11 +53,6 @@ class UpdateCall:
         self.final: asyncio.Future[UpdateEvent] = loop.create_future()
         self._task = asyncio.create_task(self._run(client, req, after))
 
-    @property
-    def closed(self) -> asyncio.Task[None]:
-        """Done once the response is read to its end (its connection is back in the pool)."""
-        return self._task
-
     async def settled(self) -> None:
         """Once the final event is in, wait (up to :data:`DRAIN_WAIT_S`) for the stream's end,
         which follows it at once: a request sent meanwhile would open a new connection."""

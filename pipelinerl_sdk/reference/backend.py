@@ -185,22 +185,23 @@ class ReferenceInferenceBackend(InferenceBackend):
         def receive() -> StagedWeights:
             return receiver.receive(plan, key, decision_timeout_s=req.timeout_s, into=spare)
 
+        def make_live(staged: StagedWeights) -> float:
+            """Inside the pause: the new weights and their version; returns the apply seconds."""
+            t_apply = time.perf_counter()
+            self._weights.apply(staged, self._params)
+            self.engine.set_version(req.version)
+            return time.perf_counter() - t_apply
+
         try:
             on_accepted()
             if mode == "staged":
                 staged = await asyncio.to_thread(receive)
                 async with self.engine.paused() as hold:
-                    t_apply = time.perf_counter()
-                    self._weights.apply(staged, self._params)
-                    apply_s = time.perf_counter() - t_apply
-                    self.engine.set_version(req.version)
+                    apply_s = make_live(staged)
             else:
                 async with self.engine.paused() as hold:
                     staged = await asyncio.to_thread(receive)
-                    t_apply = time.perf_counter()
-                    self._weights.apply(staged, self._params)
-                    apply_s = time.perf_counter() - t_apply
-                    self.engine.set_version(req.version)
+                    apply_s = make_live(staged)
         except UpdateAborted:
             raise
         except GroupError as e:

@@ -59,10 +59,11 @@ def flatten_params(params: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
 
     if not params:
         raise ValueError("params: at least one param is required")
-    offsets, total = flat_layout([spec_of(name, t) for name, t in params])
+    specs = [spec_of(name, t) for name, t in params]
+    offsets, total = flat_layout(specs)
     flat = torch.zeros(total, dtype=torch.uint8, device=params[0][1].device)
-    for (_, t), offset in zip(params, offsets, strict=True):
-        view = flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    for (_, t), spec, offset in zip(params, specs, offsets, strict=True):
+        view = from_bytes(flat[offset:], spec)
         view.copy_(t)
         t.data = view
     return flat
