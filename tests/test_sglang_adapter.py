@@ -152,6 +152,22 @@ def test_sglang_start_up_failure_exits_with_its_log(tiny_model: Path) -> None:
     assert time.monotonic() - t0 < 240
 
 
+@requires_sglang
+def test_launch_args_parse_in_sglang_for_any_api_key() -> None:
+    """SGLang's own parser reads back the key ``launch_args`` passes, also one that starts with
+    ``-`` (1 in 64 of ``new_api_key``'s keys; passed as a separate word, SGLang refused to start)."""
+    import argparse
+
+    from pipelinerl_sdk_sglang.engine import launch_args
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for key in ("-leading-dash", "--double", "plain_Key-09"):
+        args = launch_args("m", dtype="float32", port=1, api_key=key, device="cpu", context_length=64, options={})
+        assert parser.parse_args(args).api_key == key
+
+
 @pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here: this checks the message when it is missing")
 def test_missing_sglang_exits_with_a_message(tmp_path: Path) -> None:
     """The adapter on the path without SGLang: a clear error, exit 2, no hang."""

@@ -60,7 +60,8 @@ def launch_args(
         "--port", str(port),
         "--dtype", dtype,
         "--device", device,
-        "--api-key", api_key,
+        f"--api-key={api_key}",  # one token: a key may start with "-" (token_urlsafe), which
+        # argparse would take for a flag after a separate "--api-key" (SGLang then refused to start)
         "--weight-version", "0",
         "--context-length", str(context_length),
         "--disable-radix-cache",
