@@ -91,7 +91,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         bind_socket(args.host, args.port).close()
     backend = factory(config)
-    backend.serve(config)
+    from pipelinerl_sdk.inference_kit.serve import serve
+
+    serve(backend, config)
     return 0
 
 

@@ -127,6 +127,11 @@ class InferenceBackend(ABC):
     - it returns once the new weights are live and every later token carries ``req.version``;
     - on any failure it raises, and then the old weights are still serving, generation is not
       paused, and nothing of the update is visible. Requests in flight are never dropped.
+
+    Errors answer through one table (``pipelinerl_sdk.http.server.ERROR_STATUS``): raise
+    :class:`~pipelinerl_sdk.errors.InvalidRequest` / ``PromptTooLong`` (400, naming the field) for
+    a request you cannot serve; any other exception is a JSON 500, never a plain-text one.
+    :mod:`pipelinerl_sdk.inference_kit` implements everything here that is not engine-specific.
     """
 
     capabilities: InferenceCapabilities = InferenceCapabilities()
@@ -207,12 +212,17 @@ class InferenceBackend(ABC):
     @abstractmethod
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse: ...
 
-    def serve(self, config: ServeConfig) -> None:
-        """Serve the contract until SIGTERM/SIGINT. The default mounts the SDK's router on a
-        uvicorn server; engines that own their HTTP server (vLLM, SGLang) override this."""
-        from pipelinerl_sdk.http.server import run_server
 
-        run_server(self, config)
+@runtime_checkable
+class ServesItself(Protocol):
+    """An inference backend whose engine owns its HTTP server (vLLM) defines ``serve``: serve
+    the contract (the SDK's router and error handlers on the engine's app; see
+    :func:`pipelinerl_sdk.inference_kit.serve.install_contract`) until SIGTERM/SIGINT, writing
+    ``config.ready_file`` once it answers. Any other backend is served by the SDK's own server.
+    How a backend is served is the launcher's business
+    (:func:`pipelinerl_sdk.inference_kit.serve.serve`), not this contract's."""
+
+    def serve(self, config: ServeConfig) -> None: ...
 
 
 def validate_update_request(

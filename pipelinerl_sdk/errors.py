@@ -29,6 +29,19 @@ class UpdateAborted(UpdateFailed):
     """The trainer called the update off before sending (another server refused it)."""
 
 
+class InvalidRequest(PipelineRLError, ValueError):
+    """A request the backend cannot serve as asked (answered 400); ``field`` names the offending
+    request field. Adapters raise it (or :class:`PromptTooLong`) instead of a bare ValueError."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt plus the token budget does not fit the context (``max_model_len``)."""
+
+
 class GroupError(PipelineRLError):
     """The weight-update process group is missing, broken, or could not be formed."""
 

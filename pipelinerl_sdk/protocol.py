@@ -28,6 +28,20 @@ DTypeName = Literal["float64", "float32", "bfloat16", "float16", "int64", "int32
 GroupBackend = Literal["gloo", "nccl"]
 ReceiveMode = Literal["direct", "staged"]
 
+
+# --- store keys of the trainer's decisions (the one place their format is written) ------------
+
+
+def update_key(version: int) -> str:
+    """The group-store key of the trainer's decision (``go``/``abort``) on the update to ``version``."""
+    return f"update/{version}"
+
+
+def probe_key(probe_id: int) -> str:
+    """The group-store key of the trainer's decision on the probe broadcast ``probe_id``."""
+    return f"probe/{probe_id}"
+
+
 # ASCII only (``\d`` would take any Unicode digit) and matched whole (``$`` allows a trailing "\n").
 _INIT_METHOD = re.compile(r"tcp://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})")
 
@@ -177,7 +191,14 @@ class ChatMessage(WireModel):
 class ChatCompletionRequest(BaseModel):
     """OpenAI chat-completion request. Extensions: ``return_token_ids`` and ``ignore_eos`` (as in
     vLLM), ``prompt_logprobs`` (logprob of every prompt token given its prefix). Unknown fields are
-    refused; OpenAI fields this contract cannot honour are refused with a message."""
+    refused; OpenAI fields this contract cannot honour are refused with a message.
+
+    **Which logprobs** (``logprobs``, ``top_logprobs``, ``prompt_logprobs``): always the raw
+    model's, ``log_softmax`` of the logits in float32, *before* temperature, top-p or any other
+    sampling transform, whatever the request's sampling settings; tokens are still *sampled* with
+    them. The trainer computes exactly these for its importance ratios, so an engine that reports
+    processed (temperature-scaled) logprobs breaks RL, not just a check (vLLM:
+    ``logprobs_mode="raw_logprobs"``; SGLang: ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -212,6 +233,10 @@ class TopLogprob(WireModel):
 
 
 class TokenLogprob(WireModel):
+    """One completion token: ``logprob`` is the raw model's (``log_softmax`` of the logits before
+    temperature and top-p, see :class:`ChatCompletionRequest`); ``top_logprobs`` the best
+    alternatives by that same measure, best first."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -253,7 +278,8 @@ class ChatCompletionResponse(WireModel):
     usage: Usage
     #: Extension: with ``return_token_ids``.
     prompt_token_ids: list[int] | None = None
-    #: Extension: with ``prompt_logprobs``; the first entry is None.
+    #: Extension: with ``prompt_logprobs``, the raw model's logprob of each prompt token given its
+    #: prefix (before temperature, like every logprob here); the first entry is None.
     prompt_logprobs: list[float | None] | None = None
 
 

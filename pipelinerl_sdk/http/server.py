@@ -1,4 +1,4 @@
-"""The inference contract as one FastAPI router any engine can mount, and a uvicorn runner.
+"""The inference contract as one FastAPI router any engine can mount, and its error handlers.
 
 Routes (control routes need ``Authorization: Bearer <control token>``; 401 without it, 403 with
 a wrong one):
@@ -12,28 +12,29 @@ a wrong one):
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured).
 
 At most one control operation runs at a time; a second is refused with 409, never queued.
+
+Every error is a JSON body of the protocol's schema (``ErrorBody``): SDK errors map to a status
+through :data:`ERROR_STATUS`, anything unexpected is a 500 ``internal_error``. Serving (binding,
+lifespan, signals, the ready file) is :mod:`pipelinerl_sdk.inference_kit.serve`'s business.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import secrets
-import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
-from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, capabilities_to_dict
-from pipelinerl_sdk.errors import GroupError, PipelineRLError, UpdateRejected
+from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PipelineRLError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     InitProcessGroupRequest,
@@ -56,6 +57,52 @@ class HTTPError(Exception):
 
 def error_response(status: int, message: str, *, kind: str, field: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message, "field": field}}, status_code=status)
+
+
+#: The one table from SDK errors to HTTP status and error type; the first row whose class the
+#: error is an instance of wins (most specific first). ``UpdateRejected`` carries its own status.
+ERROR_STATUS: tuple[tuple[type[PipelineRLError], int, str], ...] = (
+    (UpdateRejected, 422, "update_rejected"),
+    (InvalidRequest, 400, "invalid_request"),
+    (GroupError, 502, "group_error"),
+    (UpdateFailed, 502, "update_failed"),
+    (PipelineRLError, 500, "internal_error"),
+)
+
+
+def status_of(e: PipelineRLError) -> tuple[int, str]:
+    """(HTTP status, error type) of ``e`` by :data:`ERROR_STATUS`."""
+    for cls, status, kind in ERROR_STATUS:
+        if isinstance(e, cls):
+            return (e.status if isinstance(e, UpdateRejected) else status), kind
+    raise AssertionError("unreachable: PipelineRLError is the table's last row")
+
+
+def as_http_error(e: PipelineRLError) -> HTTPError:
+    """``e`` as the HTTPError the table gives it (its ``field`` kept when it has one)."""
+    status, kind = status_of(e)
+    return HTTPError(status, str(e), kind=kind, field=getattr(e, "field", None))
+
+
+class _ContractRoute(APIRoute):
+    """A contract route: an unexpected exception becomes ``HTTPError(500, internal_error)`` inside
+    the route, so the app's exception middleware answers it as JSON and the connection stays up
+    (an app-level ``Exception`` handler answers too, but Starlette then re-raises it and the
+    server drops the keep-alive connection)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (HTTPError, PipelineRLError, RequestValidationError, HTTPException):
+                raise
+            except Exception as e:
+                log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+                raise HTTPError(500, f"{type(e).__name__}: {e}", kind="internal_error") from e
+
+        return route
 
 
 def _bearer_guard(token: str | None, what: str) -> Callable[[Request], Awaitable[None]]:
@@ -100,7 +147,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
     control = Depends(_bearer_guard(control_token, "control routes"))
     openai = Depends(_bearer_guard(api_key, "the OpenAI routes"))
     slot = _ControlSlot()
-    router = APIRouter()
+    router = APIRouter(route_class=_ContractRoute)
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
@@ -127,8 +174,6 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
         slot.take("init_process_group")
         try:
             resp = await backend.init_process_group(req)
-        except GroupError as e:
-            raise HTTPError(502, str(e), kind="group_error") from e
         finally:
             slot.release()
         return resp.model_dump()
@@ -138,9 +183,6 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
         slot.take(f"weight update to version {req.version}")
         try:
             backend.validate_update(req)
-        except UpdateRejected as e:
-            slot.release()
-            raise HTTPError(e.status, str(e), kind="update_rejected", field=e.field) from e
         except BaseException:
             slot.release()
             raise
@@ -186,7 +228,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
         slot.take("probe_broadcast")
         try:
             seconds = await backend.probe_broadcast(req)
-        except PipelineRLError as e:
+        except UpdateFailed as e:  # a called-off or failed probe is the group's failure
             raise HTTPError(502, str(e), kind="group_error") from e
         finally:
             slot.release()
@@ -216,7 +258,9 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             )
         try:
             resp = await backend.chat_completion(req)
-        except ValueError as e:
+        except PipelineRLError:
+            raise  # the table decides (InvalidRequest/PromptTooLong: 400 naming the field)
+        except ValueError as e:  # an adapter's plain ValueError: the request, not the server
             raise HTTPError(400, str(e)) from e
         return JSONResponse(resp.model_dump(exclude_none=True))
 
@@ -227,29 +271,24 @@ def _line(event: UpdateEvent) -> bytes:
     return (event.model_dump_json(exclude_none=True) + "\n").encode()
 
 
-def create_app(backend: InferenceBackend, *, control_token: str, api_key: str | None = None) -> FastAPI:
-    """A FastAPI app serving the contract over ``backend``, which it starts and stops."""
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await backend.start()
-        try:
-            yield
-        finally:
-            await backend.stop()
-
-    app = FastAPI(title=f"pipelinerl-sdk inference ({backend.name})", lifespan=lifespan)
-    app.include_router(build_router(backend, control_token=control_token, api_key=api_key))
-    install_error_handlers(app)
-    return app
-
-
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error as ``{"error": {"type", "message", "field"}}``."""
+    """Answer every error as ``{"error": {"type", "message", "field"}}``: HTTPError as raised, SDK
+    errors by :data:`ERROR_STATUS`, body validation as 422, and any other exception as a 500
+    ``internal_error`` (logged with its traceback), never a plain-text body."""
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
         return error_response(e.status, e.message, kind=e.kind, field=e.field)
+
+    @app.exception_handler(PipelineRLError)
+    async def _sdk_error(_: Request, e: PipelineRLError) -> JSONResponse:
+        h = as_http_error(e)
+        return error_response(h.status, h.message, kind=h.kind, field=h.field)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return error_response(500, f"{type(e).__name__}: {e}", kind="internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -279,39 +318,3 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def run_server(backend: InferenceBackend, config: ServeConfig) -> None:
-    """Serve ``backend`` until SIGTERM/SIGINT. Writes ``config.ready_file`` (JSON: url, pid,
-    port) once the server answers, so a launcher never has to poll a guessed port."""
-    import uvicorn
-
-    sock = bind_socket(config.host, config.port)
-    port = sock.getsockname()[1]
-    app = create_app(backend, control_token=config.control_token, api_key=config.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning")))
-
-    async def main() -> None:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if serving.done():
-                await serving  # start-up failed: raise its error
-                return
-            await asyncio.sleep(0.05)
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        ready = {
-            "url": f"http://{host}:{port}",
-            "pid": os.getpid(),
-            "port": port,
-            "backend": backend.name,
-        }
-        if config.ready_file:
-            tmp = f"{config.ready_file}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(ready, f)
-            os.replace(tmp, config.ready_file)
-        print(f"pipelinerl: serving {backend.name} at {ready['url']}", flush=True)
-        await serving
-
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    asyncio.run(main())

@@ -7,7 +7,8 @@ hold zero K/V and are masked out by a 2D attention mask; positions are passed ex
 rebuilt only when the batch composition changes.
 
 In-flight weight updates: ``async with engine.paused()`` parks the loop between two iterations (no
-forward running). The caller may then change the weights in place and ``set_version``; on exit the
+forward running; the SDK's :class:`~pipelinerl_sdk.inference_kit.gate.StepGate`). The caller may
+then change the weights in place and ``set_version``; on exit the
 loop resumes. Running requests keep their KV cache (computed by the old weights) and continue with
 the new weights; every generated token records the weight version of the forward that produced it.
 """
@@ -17,15 +18,16 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, suppress
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+
+from pipelinerl_sdk.inference_kit.gate import PauseHandle, StepGate
 
 __all__ = [
     "ContinuousBatchingEngine",
@@ -102,13 +104,6 @@ class EngineStats:
     paused: bool
 
 
-@dataclass(slots=True)
-class PauseHandle:
-    """Yielded by ``paused()``; ``held_s`` is set on exit: seconds the loop stayed parked."""
-
-    held_s: float = 0.0
-
-
 @dataclass(eq=False, slots=True)
 class _Request:
     prompt: list[int]
@@ -138,11 +133,6 @@ def _resolve(future: asyncio.Future[GenerationResult], outcome: GenerationResult
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
-
-
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class ContinuousBatchingEngine:
@@ -175,7 +165,6 @@ class ContinuousBatchingEngine:
         self._eos_ids = frozenset(int(t) for t in eos_token_ids)
         self._max_batch_size = max_batch_size
         self._max_model_len = max_model_len
-        self._version = version
         self._vocab_size = int(model.config.get_text_config().vocab_size)
         self._device = next(model.parameters()).device
         self._generator = torch.Generator(device=self._device)
@@ -184,16 +173,11 @@ class ContinuousBatchingEngine:
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._stopping = False
-        self._pause_requested = False
-        self._parked_at: float | None = None
-        self._park_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
-        self._held = False
         self._generated_tokens = 0
         self._steps = 0
         self._n_running = 0
-        self._pause_lock = asyncio.Lock()
-        self._pause_owner: asyncio.Task[object] | None = None
         self._thread: threading.Thread | None = None
+        self.gate = StepGate(self._cond, lambda: self._thread is not None and self._thread.is_alive(), version=version)
         self._dead: BaseException | None = None
         # Owned by the loop thread.
         self._running: list[_Request] = []
@@ -210,7 +194,7 @@ class ContinuousBatchingEngine:
     @property
     def version(self) -> int:
         """Weight version recorded on tokens produced from now on."""
-        return self._version
+        return self.gate.version
 
     @property
     def max_model_len(self) -> int:
@@ -219,10 +203,7 @@ class ContinuousBatchingEngine:
 
     def set_version(self, v: int) -> None:
         """Set the weight version; only inside ``paused()`` (else ``RuntimeError``)."""
-        with self._cond:
-            if not self._held:
-                raise RuntimeError("set_version is only allowed while the engine is paused")
-            self._version = v
+        self.gate.set_version(v)
 
     def stats(self) -> EngineStats:
         """A consistent snapshot of the counters."""
@@ -232,7 +213,7 @@ class ContinuousBatchingEngine:
                 steps=self._steps,
                 running=self._n_running,
                 waiting=len(self._waiting),
-                paused=self._held,
+                paused=self.gate.held_now,
             )
 
     async def start(self) -> None:
@@ -301,49 +282,7 @@ class ContinuousBatchingEngine:
         Concurrent pause requests (other tasks) are serialised; a pause nested in the task that
         holds one enters at once. ``PauseHandle.held_s`` is filled in on exit.
         """
-        return self._paused()
-
-    # --------------------------------------------------------------------------------- pausing
-
-    @asynccontextmanager
-    async def _paused(self) -> AsyncIterator[PauseHandle]:
-        handle = PauseHandle()
-        task = asyncio.current_task()
-        if task is not None and task is self._pause_owner:  # nested in the holder: already parked
-            entered = time.monotonic()
-            try:
-                yield handle
-            finally:
-                handle.held_s = time.monotonic() - entered
-            return
-        async with self._pause_lock:
-            loop = asyncio.get_running_loop()
-            parked: asyncio.Future[None] = loop.create_future()
-            with self._cond:
-                self._pause_requested = True
-                if self._thread is None or not self._thread.is_alive() or self._parked_at is not None:
-                    self._parked_at = self._parked_at if self._parked_at is not None else time.monotonic()
-                    parked.set_result(None)
-                else:
-                    self._park_waiter = (loop, parked)
-                self._cond.notify_all()
-            try:
-                await parked
-                with self._cond:
-                    self._held = True
-                self._pause_owner = task
-                yield handle
-            finally:
-                self._pause_owner = None
-                with self._cond:
-                    parked_at = self._parked_at
-                    self._held = False
-                    self._pause_requested = False
-                    self._park_waiter = None
-                    self._parked_at = None
-                    self._cond.notify_all()
-                if parked_at is not None:
-                    handle.held_s = time.monotonic() - parked_at
+        return self.gate.paused()
 
     # ----------------------------------------------------------------------------- loop thread
 
@@ -369,13 +308,9 @@ class ContinuousBatchingEngine:
             while True:
                 if self._stopping:
                     return None
-                if self._pause_requested:
-                    if self._parked_at is None:
-                        self._parked_at = time.monotonic()
-                        self._release_park_waiter()
+                if self.gate.park():
                     self._cond.wait()
                     continue
-                self._parked_at = None
                 self._waiting = deque(r for r in self._waiting if not r.cancelled)
                 if self._waiting or self._running:
                     break
@@ -385,14 +320,6 @@ class ContinuousBatchingEngine:
             while self._waiting and len(admitted) < free:
                 admitted.append(self._waiting.popleft())
             return admitted
-
-    def _release_park_waiter(self) -> None:
-        """Wake the coroutine waiting in ``paused()``, if any. Caller holds ``_cond``."""
-        if self._park_waiter is not None:
-            loop, fut = self._park_waiter
-            self._park_waiter = None
-            with suppress(RuntimeError):  # event loop closed: nobody is waiting any more
-                loop.call_soon_threadsafe(_wake, fut)
 
     @staticmethod
     def _deliver(request: _Request, outcome: GenerationResult | BaseException) -> None:
@@ -417,7 +344,7 @@ class ContinuousBatchingEngine:
             pending = [*self._running, *self._waiting]
             self._waiting.clear()
             self._n_running = 0
-            self._release_park_waiter()
+            self.gate.release_waiter()
         self._running, self._cache, self._mask = [], None, None
         for request in pending:
             if request.finish_reason is not None:
@@ -435,13 +362,13 @@ class ContinuousBatchingEngine:
 
         Outcomes are delivered after the counters are updated, so ``stats()`` never lags a result.
         """
-        version = self._version
+        version = self.gate.version
         self._compact()
         done: list[tuple[_Request, GenerationResult | BaseException]] = []
         prefilled: list[tuple[_Request, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         produced = 0
         for i, request in enumerate(admitted):
-            if i and self._pause_requested:  # let a pending pause in: the rest wait at the front
+            if i and self.gate.requested:  # let a pending pause in: the rest wait at the front
                 with self._cond:
                     self._waiting.extendleft(reversed(admitted[i:]))
                 break

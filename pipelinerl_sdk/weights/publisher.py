@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from pipelinerl_sdk.errors import FanOutError, GroupError, PipelineRLError, ServerError
-from pipelinerl_sdk.http.client import InferenceClient, UpdateCall
 from pipelinerl_sdk.protocol import (
     GroupBackend,
     InitProcessGroupRequest,
@@ -35,11 +34,41 @@ from pipelinerl_sdk.protocol import (
     ServerInfo,
     UpdateEvent,
     WeightUpdateRequest,
+    probe_key,
+    update_key,
 )
 from pipelinerl_sdk.weights.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
-from pipelinerl_sdk.weights.receive import update_key
 from pipelinerl_sdk.weights.send import SendStats, WeightSender, broadcast_flat
+
+
+class PendingUpdate(Protocol):
+    """One server's side of an update in progress (``http.client.UpdateCall``): ``accepted``
+    resolves once the server armed its receive (raises if it refused), ``final`` with its ``done``
+    event (raises on its error)."""
+
+    url: str
+
+    @property
+    def accepted(self) -> Awaitable[Any]: ...
+
+    @property
+    def final(self) -> Awaitable[UpdateEvent]: ...
+
+
+class ServerLink(Protocol):
+    """What the publisher needs of one inference server: ``http.client.InferenceClient`` is one.
+    Declared here so the weight-sync layer does not depend on the HTTP layer."""
+
+    url: str
+
+    async def info(self) -> ServerInfo: ...
+
+    async def init_process_group(self, req: InitProcessGroupRequest) -> Any: ...
+
+    def request_weight_update(self, req: WeightUpdateRequest) -> PendingUpdate: ...
+
+    async def probe_broadcast(self, req: ProbeBroadcastRequest) -> Any: ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,7 +92,7 @@ class WeightPublisher:
 
     def __init__(
         self,
-        clients: Sequence[InferenceClient],
+        clients: Sequence[ServerLink],
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         mode: ReceiveMode | None = None,
@@ -203,7 +232,7 @@ class WeightPublisher:
         server). The baseline for ``update_over_flat_broadcast``."""
         group = self._require_group()
         probe_id = next(self._probe_ids)
-        key = f"probe/{probe_id}"
+        key = probe_key(probe_id)
         req = ProbeBroadcastRequest(nbytes=nbytes, probe_id=probe_id, timeout_s=self.timeout_s)
         receives = [asyncio.create_task(c.probe_broadcast(req)) for c in self.clients]
         await asyncio.sleep(0)
@@ -223,11 +252,11 @@ class WeightPublisher:
         self._buffers = None
 
 
-def _as_server_error(r: BaseException, call: UpdateCall) -> ServerError:
+def _as_server_error(r: BaseException, call: PendingUpdate) -> ServerError:
     return r if isinstance(r, ServerError) else ServerError(call.url, f"{type(r).__name__}: {r}")
 
 
-async def _fan_out(aws: Sequence[object], clients: Sequence[InferenceClient]) -> list[object]:
+async def _fan_out(aws: Sequence[object], clients: Sequence[ServerLink]) -> list[object]:
     results = await asyncio.gather(*aws, return_exceptions=True)  # type: ignore[call-overload]
     errors = [
         r if isinstance(r, ServerError) else ServerError(c.url, f"{type(r).__name__}: {r}")

@@ -3,7 +3,12 @@
 A receiver never writes model weights while receiving. Whatever happens during the receive
 (timeout, lost trainer, abort), the model is untouched; only :func:`apply_staged`, which runs
 after every byte has arrived, writes them. The two receive modes differ only in *when* the
-engine is paused: ``direct`` pauses before the receive, ``staged`` only around the apply.
+engine is paused: ``direct`` pauses for the receive (once the trainer said ``go``: a called-off
+update never pauses), ``staged`` only around the apply.
+
+Two steps, so a server can act between them: :meth:`WeightReceiver.await_go` (the trainer's
+decision, no collective) and :meth:`WeightReceiver.receive_decided` (the broadcast itself);
+:meth:`WeightReceiver.receive` runs both.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.protocol import update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import WeightSyncGroup
 from pipelinerl_sdk.weights.tensors import from_bytes
@@ -49,11 +55,6 @@ class StagedWeights:
         return iter(self.views)
 
 
-def update_key(version: int) -> str:
-    """The store key of the trainer's decision for ``version``."""
-    return f"update/{version}"
-
-
 class WeightReceiver:
     """One receiving worker. Owns a staging buffer of the plan's total size, kept across
     updates of the same size. Not thread-safe: one receive at a time (the server's update lock)."""
@@ -80,30 +81,57 @@ class WeightReceiver:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         return self._buffer
 
+    def await_go(self, key: str, timeout_s: float) -> None:
+        """Wait (no collective) for the trainer's decision on ``key``. Raises
+        :class:`~pipelinerl_sdk.errors.UpdateAborted` if the trainer called it off (the group stays
+        healthy), :class:`GroupError` on a timeout or a lost store: the group is then marked
+        broken, since the trainer may still enter the broadcast this member will not join."""
+        try:
+            self.group.await_decision(key, timeout_s)
+        except GroupError as e:
+            self.group.mark_broken(str(e))
+            raise
+
     def receive(
         self, plan: BucketPlan, key: str, *, decision_timeout_s: float, into: torch.Tensor | None = None
     ) -> StagedWeights:
-        """Wait for the trainer's decision on ``key``, then receive every bucket of ``plan`` into
-        the receiver's staging buffer, or into ``into`` (a uint8 buffer of ``plan.total_bytes`` on
-        the group's device that the caller owns, e.g. :meth:`DoubleBuffer.spare
-        <pipelinerl_sdk.weights.swap.DoubleBuffer.spare>`).
+        """:meth:`prepare`, :meth:`await_go` on ``key``, then :meth:`receive_decided`."""
+        buf = self.prepare(plan, into=into)
+        self.await_go(key, decision_timeout_s)
+        return self.receive_decided(plan, into=buf)
 
-        Raises :class:`~pipelinerl_sdk.errors.UpdateAborted` if the trainer called it off (the
-        group stays healthy), :class:`GroupError` on a timeout or a lost peer (the group is then
-        broken)."""
-        if into is not None and (into.dtype != torch.uint8 or into.numel() != plan.total_bytes):
-            raise ValueError(f"into: need a uint8 buffer of {plan.total_bytes} bytes, got {into.dtype} {into.numel()}")
-        buf = into if into is not None else self._staging(plan.total_bytes)
+    def prepare(self, plan: BucketPlan, *, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Build (and cache) the views of ``plan`` in its target buffer before the decision, so
+        nothing holds the GIL once bytes flow; returns that buffer. Optional: the receive builds
+        what is missing."""
+        buf = self._target(plan, into)
+        self._views(plan, buf)
+        return buf
+
+    def receive_decided(self, plan: BucketPlan, *, into: torch.Tensor | None = None) -> StagedWeights:
+        """Receive every bucket of ``plan`` (the trainer said ``go``) into the receiver's staging
+        buffer, or into ``into`` (a uint8 buffer of ``plan.total_bytes`` on the group's device that
+        the caller owns, e.g. :meth:`DoubleBuffer.spare
+        <pipelinerl_sdk.weights.swap.DoubleBuffer.spare>`). Raises :class:`GroupError` on a lost
+        peer or a timeout (the group is then broken)."""
+        buf = self._target(plan, into)
         views = self._views(plan, buf)
-        self.group.await_decision(key, decision_timeout_s)
         t0 = time.perf_counter()
         for b in plan.buckets:
             self.group.broadcast(buf[b.offset : b.offset + b.nbytes], 0, what=f"receive of bucket {b.index}")
         return StagedWeights(plan, buf, time.perf_counter() - t0, views)
 
+    def _target(self, plan: BucketPlan, into: torch.Tensor | None) -> torch.Tensor:
+        if into is None:
+            return self._staging(plan.total_bytes)
+        if into.dtype != torch.uint8 or into.numel() != plan.total_bytes:
+            raise ValueError(f"into: need a uint8 buffer of {plan.total_bytes} bytes, got {into.dtype} {into.numel()}")
+        return into
+
     def receive_flat(self, nbytes: int, key: str, *, decision_timeout_s: float) -> float:
-        """The probe: receive one flat broadcast of ``nbytes`` and discard it."""
-        self.group.await_decision(key, decision_timeout_s)
+        """The probe: :meth:`await_go` on ``key``, then receive one flat broadcast of ``nbytes``
+        and discard it; returns the receive seconds."""
+        self.await_go(key, decision_timeout_s)
         buf = self._staging(nbytes)  # reused: first-touch page faults would inflate the baseline
         t0 = time.perf_counter()
         self.group.broadcast(buf, 0, what="probe receive")

@@ -1,0 +1,46 @@
+"""The inference kit: what every inference adapter would otherwise write out again.
+
+- :class:`~.backend.KitBackend`: identity, options, version and group bookkeeping
+  (:class:`~.book.GroupBook`), the update template;
+- :func:`~.update.run_update` / :class:`~.update.UpdateSteps`: receive-and-apply in the
+  contract's order (arm, accepted, the trainer's ``go``, receive, pause, apply, report), abandon
+  on failure, one normalisation of update errors; :func:`~.update.local_steps` for an engine
+  whose server process holds plain torch params;
+- :class:`~.gate.StepGate`: the step boundary of a Python-loop engine (hold/release, the
+  version of each step);
+- :mod:`~.chat`: chat preparation (template, context check with typed errors) and response
+  assembly (version spans to per-token versions);
+- :mod:`~.serve`: serving the SDK's app or an engine-owned FastAPI app (router, error handlers,
+  port 0, lifespan, SIGTERM, ready file).
+
+Submodules import what they need lazily enough that ``import pipelinerl_sdk.inference_kit``
+imports no torch and no engine; :mod:`~.serve` imports FastAPI.
+"""
+
+from pipelinerl_sdk.inference_kit.backend import KitBackend
+from pipelinerl_sdk.inference_kit.book import GroupBook
+from pipelinerl_sdk.inference_kit.chat import (
+    ChatPlan,
+    assemble_choice,
+    assemble_response,
+    prepare_chat,
+    versions_from_spans,
+)
+from pipelinerl_sdk.inference_kit.gate import PauseHandle, StepGate
+from pipelinerl_sdk.inference_kit.update import UpdateSteps, local_steps, normalise_update_error, run_update
+
+__all__ = [
+    "ChatPlan",
+    "GroupBook",
+    "KitBackend",
+    "PauseHandle",
+    "StepGate",
+    "UpdateSteps",
+    "assemble_choice",
+    "assemble_response",
+    "local_steps",
+    "normalise_update_error",
+    "prepare_chat",
+    "run_update",
+    "versions_from_spans",
+]

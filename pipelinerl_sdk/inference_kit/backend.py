@@ -1,0 +1,109 @@
+"""The engine-independent part of an inference backend: identity, options, version and group
+bookkeeping, the update template. An adapter subclasses :class:`KitBackend` and writes only
+what is specific to its engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import ClassVar
+
+from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
+from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.inference_kit.book import GroupBook
+from pipelinerl_sdk.inference_kit.update import UpdateSteps, run_update
+from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSpec, ReceiveMode, WeightUpdateRequest
+
+
+class KitBackend(InferenceBackend):
+    """An :class:`InferenceBackend` with everything but the engine done.
+
+    Subclasses set :attr:`backend_name` (the registered name), :attr:`OPTIONS` (``--option``
+    names and their help) and ``capabilities``, fill :attr:`specs` and :attr:`workers` (in the
+    constructor or ``start``), and implement ``start``/``stop``, ``init_process_group`` (join,
+    then :meth:`GroupBook.join <pipelinerl_sdk.inference_kit.book.GroupBook.join>`),
+    :meth:`update_steps`,
+    ``probe_broadcast`` and ``chat_completion`` (with :mod:`pipelinerl_sdk.inference_kit.chat`).
+
+    The constructor checks what every server refuses before loading anything: unknown options,
+    a model directory without ``config.json``, a dtype or receive mode outside the capabilities
+    (ValueError/FileNotFoundError naming it). :attr:`version` and :meth:`group_state` come from
+    :attr:`book`; ``update_weights`` runs :meth:`update_steps` through
+    :func:`~pipelinerl_sdk.inference_kit.update.run_update` (ordering, pause, abandon on failure,
+    error normalisation, the report)."""
+
+    backend_name: ClassVar[str]
+    OPTIONS: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(self, config: ServeConfig) -> None:
+        unknown = set(config.options) - set(self.OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) for the {self.backend_name} backend: {sorted(unknown)} "
+                f"(known: {sorted(self.OPTIONS)})"
+            )
+        if not Path(config.model, "config.json").is_file():
+            raise FileNotFoundError(f"model: no HF model at {config.model!r} (config.json missing)")
+        caps = self.capabilities
+        if config.dtype not in caps.dtypes:
+            raise ValueError(
+                f"dtype {config.dtype!r} not served by the {self.backend_name} backend (use {sorted(caps.dtypes)})"
+            )
+        if config.receive_mode is not None and config.receive_mode not in caps.receive_modes:
+            raise ValueError(
+                f"receive mode {config.receive_mode!r}: the {self.backend_name} backend receives "
+                f"{' or '.join(repr(m) for m in sorted(caps.receive_modes))} only"
+            )
+        self.config = config
+        self.opts = dict(config.options)
+        self.book = GroupBook()
+        #: The params an update must carry (HF names, the served dtype), in the model's order.
+        self.specs: list[ParamSpec] = []
+        #: How many ranks this server contributes to the weight-update group.
+        self.workers = 1
+
+    def param_specs(self) -> list[ParamSpec]:
+        return list(self.specs)
+
+    @property
+    def receiving_workers(self) -> int:
+        return self.workers
+
+    @property
+    def name(self) -> str:
+        return self.backend_name
+
+    @property
+    def model_name(self) -> str:
+        return str(self.config.model)
+
+    @property
+    def version(self) -> int:
+        return self.book.version
+
+    @property
+    def default_mode(self) -> ReceiveMode:
+        return self.config.receive_mode or super().default_mode
+
+    def group_state(self) -> GroupState | None:
+        return self.book.state()
+
+    def require_group(self) -> InitProcessGroupRequest:
+        """The joined group's init request; GroupError if none was joined."""
+        if self.book.request is None:
+            raise GroupError("no weight-update group: call /init_process_group first")
+        return self.book.request
+
+    def refuse_nccl_on_cpu(self, req: InitProcessGroupRequest, on_cpu: bool) -> None:
+        """GroupError for an NCCL group on a CPU server (before anything joins)."""
+        if req.backend == "nccl" and on_cpu:
+            raise GroupError(f"backend 'nccl' needs CUDA; this {self.backend_name} server runs on CPU (use 'gloo')")
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        return await run_update(self.book, req, mode, on_accepted, self.update_steps(req, mode))
+
+    def update_steps(self, req: WeightUpdateRequest, mode: ReceiveMode) -> UpdateSteps:
+        """The engine's steps of the update to ``req.version`` (validated already)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update_steps")

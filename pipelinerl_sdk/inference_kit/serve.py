@@ -1,0 +1,136 @@
+"""Serving a backend: the launcher's side of the contract.
+
+:func:`serve` is what ``pipelinerl serve`` calls: a backend that owns its HTTP server
+(:class:`~pipelinerl_sdk.contracts.ServesItself`) serves itself, any other gets the SDK's app.
+An engine with a FastAPI app of its own passes it to :func:`serve_app` (or, if the engine runs its
+own uvicorn, calls :func:`install_contract` and :func:`announce` itself, as the vLLM adapter
+does) and gets everything the launcher relies on:
+
+- the contract's router, mounted *in front of* the app's routes (same path and method: ours wins),
+  and the SDK's error handlers (every error a JSON body of the protocol's schema);
+- the socket bound before the app starts (port 0 picks a free one);
+- a lifespan that starts the backend before the first request and stops it at the end;
+- SIGTERM treated like Ctrl-C (a clean shutdown);
+- ``config.ready_file``: a JSON file ``{"url", "pid", "port", "backend"}`` written (atomically)
+  once the server answers; launchers wait for it instead of polling a guessed port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from copy import copy
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
+
+from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, ServesItself
+from pipelinerl_sdk.http.server import bind_socket, build_router, install_error_handlers
+
+
+def serve(backend: InferenceBackend, config: ServeConfig) -> None:
+    """Serve ``backend`` until SIGTERM/SIGINT: its own ``serve`` if it owns its server, else
+    the SDK's app on uvicorn (:func:`serve_app`)."""
+    if isinstance(backend, ServesItself):
+        backend.serve(config)
+        return
+    app = FastAPI(title=f"pipelinerl-sdk inference ({backend.name})")
+    run(app, backend, config)
+
+
+def mount_first(app: FastAPI, router: APIRouter) -> None:
+    """Put ``router``'s routes before ``app``'s; the app's routes of the same path and method
+    are dropped (others of the same path keep their remaining methods), the rule vLLM applies
+    to its endpoint plugins."""
+    before = list(app.router.routes)
+    app.include_router(router)
+    ours = [r for r in app.router.routes if all(r is not b for b in before)]
+    kept = []
+    for r in before:
+        if isinstance(r, APIRoute):
+            taken: set[str] = set().union(
+                *(o.methods or set() for o in ours if isinstance(o, APIRoute) and o.path == r.path)
+            )
+            if taken & (r.methods or set()):
+                rest = (r.methods or set()) - taken
+                if not rest:
+                    continue
+                r = copy(r)
+                r.methods = rest
+        kept.append(r)
+    app.router.routes[:] = [*ours, *kept]
+    app.openapi_schema = None
+
+
+def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfig) -> None:
+    """Mount the contract's router on ``app`` (ahead of its own routes) and the SDK's error
+    handlers. An app whose middleware stack is already built (vLLM's) has it rebuilt, or the
+    handlers would not take effect."""
+    mount_first(app, build_router(backend, control_token=config.control_token, api_key=config.api_key))
+    install_error_handlers(app)
+    if app.middleware_stack is not None:
+        app.middleware_stack = app.build_middleware_stack()
+
+
+def with_backend_lifespan(app: FastAPI, backend: InferenceBackend) -> None:
+    """Start ``backend`` before ``app``'s own lifespan and stop it after."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        await backend.start()
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            await backend.stop()
+
+    app.router.lifespan_context = lifespan
+
+
+def announce(config: ServeConfig, port: int, backend_name: str) -> dict[str, Any]:
+    """The server answers: write ``config.ready_file`` (atomically) and say so on stdout."""
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    ready = {"url": f"http://{host}:{port}", "pid": os.getpid(), "port": port, "backend": backend_name}
+    if config.ready_file:
+        tmp = f"{config.ready_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(ready, f)
+        os.replace(tmp, config.ready_file)
+    print(f"pipelinerl: serving {backend_name} at {ready['url']}", flush=True)
+    return ready
+
+
+async def serve_app(app: FastAPI, backend: InferenceBackend, config: ServeConfig, sock: socket.socket) -> None:
+    """Serve ``app`` (with the contract installed, the backend started by its lifespan) on
+    ``sock`` until the server exits; announces once it answers. Start-up errors raise."""
+    import uvicorn
+
+    install_contract(app, backend, config)
+    with_backend_lifespan(app, backend)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning")))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            await serving  # start-up failed: raise its error
+            return
+        await asyncio.sleep(0.05)
+    announce(config, sock.getsockname()[1], backend.name)
+    await serving
+
+
+def run(app: FastAPI, backend: InferenceBackend, config: ServeConfig) -> None:
+    """Bind ``config.host:config.port`` (OSError naming the address if taken) and
+    :func:`serve_app` until SIGTERM/SIGINT: the whole of serving an engine-owned FastAPI app."""
+    sock = bind_socket(config.host, config.port)
+    try:
+        asyncio.run(serve_app(app, backend, config, sock))
+    finally:
+        sock.close()

@@ -1,0 +1,288 @@
+"""The inference kit on real pieces: a gloo group (rank 0 here), the reference backend on the tiny
+model, a real uvicorn server for an engine-owned app.
+
+Two bugs of the receive path are pinned here:
+- a timeout waiting for the trainer's decision must leave the group broken (it used not to);
+- a ``direct`` update the trainer calls off must never hold generation (it used to pause first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipelinerl_sdk.contracts import ServeConfig
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PromptTooLong, UpdateAborted
+from pipelinerl_sdk.inference_kit.chat import prepare_chat, versions_from_spans
+from pipelinerl_sdk.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    InitProcessGroupRequest,
+    WeightUpdateRequest,
+    update_key,
+)
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.publisher import free_port
+from pipelinerl_sdk.weights.receive import WeightReceiver
+from pipelinerl_sdk.weights.send import WeightSender
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[WeightSyncGroup, WeightReceiver]]:
+    """A fresh two-member group: the trainer (rank 0, here) and a receiver (rank 1)."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    joined: Future[WeightSyncGroup] = Future()
+    t = threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=30))))
+    t.start()
+    trainer = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=30))
+    member = joined.result(timeout=30)
+    yield trainer, WeightReceiver(member)
+    member.close()
+    trainer.close()
+
+
+def test_no_decision_in_time_breaks_the_group(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    """The receiver's docstring: a timeout waiting for the decision leaves the group broken
+    (the trainer may still enter the broadcast it will not join). Failed before the fix:
+    ``group.broken`` stayed None."""
+    _, receiver = pair
+    from pipelinerl_sdk.protocol import ParamSpec
+
+    plan = BucketPlan.build([ParamSpec(name="w", dtype="float32", shape=(4,))], 1024)
+    with pytest.raises(GroupError, match="no decision for 'update/7'"):
+        receiver.receive(plan, update_key(7), decision_timeout_s=0.2)
+    assert receiver.group.broken is not None and "no decision" in receiver.group.broken
+
+
+def test_a_called_off_decision_leaves_the_group_healthy(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    trainer, receiver = pair
+    trainer.post_decision("probe/3", go=False, reason="another server refused")
+    with pytest.raises(UpdateAborted, match="another server refused"):
+        receiver.receive_flat(1024, "probe/3", decision_timeout_s=10)
+    assert receiver.group.broken is None
+
+
+# --- the reference backend on the kit ------------------------------------------------------------
+
+
+async def _joined_backend(tiny_model: Path) -> tuple[object, WeightSyncGroup]:
+    from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
+
+    backend = ReferenceInferenceBackend(
+        ServeConfig(model=str(tiny_model), control_token="t", receive_mode="direct", options={"threads": "1"})
+    )
+    await backend.start()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, GroupConfig(init, 0, 2, timeout_s=30)))
+    await backend.init_process_group(InitProcessGroupRequest(init_method=init, rank_offset=1, world_size=2))
+    return backend, await own
+
+
+def _request(backend: object, version: int) -> tuple[WeightUpdateRequest, BucketPlan]:
+    specs = backend.param_specs()  # type: ignore[attr-defined]
+    plan = BucketPlan.build(specs, 1 << 20)
+    req = WeightUpdateRequest(version=version, params=specs, bucket_bytes=1 << 20, plan_digest=plan.digest())
+    return req, plan
+
+
+def test_direct_update_called_off_never_pauses_generation(tiny_model: Path) -> None:
+    """``direct`` holds generation for the receive, but only once the trainer said ``go``: an
+    update it calls off never pauses. Failed before the fix: the reference backend entered the
+    pause first (one hold). The twin below shows the counter counts a real direct update."""
+
+    async def body() -> None:
+        backend, trainer = await _joined_backend(tiny_model)
+        gate = backend.engine.gate  # type: ignore[attr-defined]
+        try:
+            req, _ = _request(backend, 1)
+            trainer.post_decision(update_key(1), go=False, reason="another server refused")
+            accepted: list[bool] = []
+            with pytest.raises(UpdateAborted, match="another server refused"):
+                await backend.update_weights(req, "direct", lambda: accepted.append(True))  # type: ignore[attr-defined]
+            assert accepted == [True]
+            assert gate.holds == 0, "a called-off update paused generation"
+            assert backend.version == 0 and backend.group_state().broken is False  # type: ignore[attr-defined]
+
+            # the twin: the same update with go pauses exactly once and goes live
+            req, plan = _request(backend, 2)
+            params = dict(backend.model.named_parameters())  # type: ignore[attr-defined]
+            trainer.clear_decision(update_key(2))
+
+            def send() -> None:
+                sender = WeightSender(trainer, plan)
+                for spec in req.params:
+                    sender.send(spec.name, params[spec.name].detach().clone())
+                sender.finish()
+
+            trainer.post_decision(update_key(2), go=True)
+            sending = asyncio.create_task(asyncio.to_thread(send))
+            report = await backend.update_weights(req, "direct", lambda: None)  # type: ignore[attr-defined]
+            await sending
+            assert gate.holds == 1 and report.version == 2 and backend.version == 2
+        finally:
+            await backend.stop()  # type: ignore[attr-defined]
+            trainer.close()
+
+    asyncio.run(body())
+
+
+def test_decision_timeout_marks_the_backends_group_broken(tiny_model: Path) -> None:
+    """The kit's one normalisation: a GroupError becomes UpdateFailed naming the version still
+    served, the group is reported broken, generation was never held."""
+    from pipelinerl_sdk.errors import UpdateFailed
+
+    async def body() -> None:
+        backend, trainer = await _joined_backend(tiny_model)
+        try:
+            req, _ = _request(backend, 1)
+            req = req.model_copy(update={"timeout_s": 0.2})
+            with pytest.raises(UpdateFailed, match="version 0 still serving: no decision"):
+                await backend.update_weights(req, "direct", lambda: None)  # type: ignore[attr-defined]
+            state = backend.group_state()  # type: ignore[attr-defined]
+            assert state.broken and "no decision" in state.reason
+            assert backend.engine.gate.holds == 0  # type: ignore[attr-defined]
+        finally:
+            await backend.stop()  # type: ignore[attr-defined]
+            trainer.close()
+
+    asyncio.run(body())
+
+
+# --- chat preparation and assembly ---------------------------------------------------------------
+
+
+def test_prepare_chat_raises_typed_errors_naming_the_field(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    hi = [{"role": "user", "content": "hello"}]
+    plan = prepare_chat(tok, ChatCompletionRequest(messages=hi, max_tokens=5), 64)
+    assert plan.max_tokens == 5 and plan.top == 0 and len(plan.prompt_ids) > 1
+    room = 64 - len(plan.prompt_ids)
+    assert prepare_chat(tok, ChatCompletionRequest(messages=hi), 64).max_tokens == room
+    with pytest.raises(PromptTooLong, match=r"exceeds the context \(64\)") as e:
+        prepare_chat(tok, ChatCompletionRequest(messages=hi, max_tokens=room + 1), 64)
+    assert e.value.field == "max_tokens"
+    with pytest.raises(PromptTooLong) as e:
+        prepare_chat(tok, ChatCompletionRequest(messages=hi, max_completion_tokens=room + 1), 64)
+    assert e.value.field == "max_completion_tokens"
+    with pytest.raises(PromptTooLong, match="no room to generate") as e:
+        prepare_chat(tok, ChatCompletionRequest(messages=hi), len(plan.prompt_ids))
+    assert e.value.field == "messages"
+    with pytest.raises(InvalidRequest, match="requires logprobs") as e:
+        prepare_chat(tok, ChatCompletionRequest(messages=hi, top_logprobs=2), 64)
+    assert e.value.field == "top_logprobs"
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5)), max_size=8))
+def test_version_spans_expand_to_one_version_per_token(spans: list[tuple[int, int]]) -> None:
+    triples, start = [], 0
+    for version, length in spans:
+        triples.append((version, start, start + length))
+        start += length
+    expected = [v for v, n in spans for _ in range(n)]
+    assert versions_from_spans(triples, start, engine="e") == expected
+    with pytest.raises(RuntimeError, match=f"spans for {start} of {start + 1} tokens"):
+        versions_from_spans(triples, start + 1, engine="e")
+
+
+# --- errors and serving an engine-owned app ------------------------------------------------------
+
+ENGINE_APP = textwrap.dedent(
+    """
+    import sys
+    from fastapi import FastAPI
+    from pipelinerl_sdk.contracts import ServeConfig
+    from pipelinerl_sdk.inference_kit.serve import run
+    from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
+
+    class Crashes(ReferenceInferenceBackend):
+        async def chat_completion(self, req):
+            if req.user == "crash":
+                raise RuntimeError("engine fell over")
+            return await super().chat_completion(req)
+
+    app = FastAPI()
+
+    @app.get("/engine/own")
+    async def own() -> dict:
+        return {"engine": "own route"}
+
+    @app.get("/health")
+    async def shadowed() -> dict:
+        return {"status": "the engine's own, shadowed by the SDK's"}
+
+    config = ServeConfig(model=sys.argv[1], port=0, control_token="ctl", ready_file=sys.argv[2],
+                         options={"threads": "1", "max_model_len": "64"})
+    run(app, Crashes(config), config)
+    """
+)
+
+
+def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_path: Path, tiny_model: Path) -> None:
+    """``inference_kit.serve.run`` on an app of the engine's own: port 0, the ready file, the
+    engine's routes kept, the SDK's routes in front, the backend started by the lifespan, typed
+    errors as 400 naming the field, an unexpected exception as a JSON 500, SIGTERM stops it."""
+    ready = tmp_path / "ready.json"
+    script = tmp_path / "engine_app.py"
+    script.write_text(ENGINE_APP)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_model), str(ready)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no ready file"
+            time.sleep(0.1)
+        info = json.loads(ready.read_text())
+        assert info["pid"] == proc.pid and info["backend"] == "reference" and info["port"] > 0
+        with httpx.Client(base_url=info["url"], timeout=60) as http:
+            assert http.get("/engine/own").json() == {"engine": "own route"}
+            assert http.get("/health").json() == {"status": "ok", "version": 0}
+            msgs = [{"role": "user", "content": "hi"}]
+            ok = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0})
+            assert ok.status_code == 200, ok.text
+            assert len(ChatCompletionResponse.model_validate(ok.json()).choices[0].weight_versions) == 2
+            long = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 64})
+            assert long.status_code == 400
+            assert long.json()["error"] == {
+                "type": "invalid_request",
+                "message": long.json()["error"]["message"],
+                "field": "max_tokens",
+            }
+            assert "exceeds the context (64)" in long.json()["error"]["message"]
+            crash = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "user": "crash"})
+            assert crash.status_code == 500 and crash.headers["content-type"] == "application/json"
+            assert crash.json()["error"]["type"] == "internal_error"
+            assert crash.json()["error"]["message"] == "RuntimeError: engine fell over"
+            probe = http.post(
+                "/probe_broadcast", json={"nbytes": 8, "probe_id": 0}, headers={"authorization": "Bearer ctl"}
+            )
+            assert probe.status_code == 502 and probe.json()["error"]["type"] == "group_error"
+            assert "init_process_group" in probe.json()["error"]["message"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
