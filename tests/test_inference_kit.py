@@ -34,6 +34,7 @@ from pipelinerl_sdk.protocol import (
     ChatCompletionResponse,
     InitProcessGroupRequest,
     WeightUpdateRequest,
+    probe_key,
     update_key,
 )
 from pipelinerl_sdk.weights.buckets import BucketPlan
@@ -74,9 +75,9 @@ def test_no_decision_in_time_breaks_the_group(pair: tuple[WeightSyncGroup, Weigh
 
 def test_a_called_off_decision_leaves_the_group_healthy(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
     trainer, receiver = pair
-    trainer.post_decision("probe/3", go=False, reason="another server refused")
+    trainer.post_decision(probe_key(3), go=False, reason="another server refused")
     with pytest.raises(UpdateAborted, match="another server refused"):
-        receiver.receive_flat(1024, "probe/3", decision_timeout_s=10)
+        receiver.receive_flat(1024, probe_key(3), decision_timeout_s=10)
     assert receiver.group.broken is None
 
 

@@ -68,10 +68,6 @@ class ReferenceInferenceBackend(KitBackend):
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    @property
-    def default_mode(self) -> wire.ReceiveMode:
-        return self.config.receive_mode or "staged"
-
     async def start(self) -> None:
         await self.engine.start()
 
@@ -95,11 +91,8 @@ class ReferenceInferenceBackend(KitBackend):
 
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
         self.book.version = self.engine.version  # the engine's is the truth (tests swap engines)
-        receiver = self._receiver
-        if receiver is None:
-            self.require_group()
-            raise AssertionError("unreachable: a joined group has a receiver")
-        return local_steps(receiver, self._weights, self._params, req, self.engine)
+        assert self._receiver is not None  # validate_update checked the group
+        return local_steps(self._receiver, self._weights, self._params, req, self.engine)
 
     async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         self.require_group()

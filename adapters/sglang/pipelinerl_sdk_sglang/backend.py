@@ -16,7 +16,11 @@
   -> one ``update_weights_from_distributed(load_format="flattened_bucket")`` per bucket, the last
   one with ``weight_version`` -> ``end_weight_update`` -> ``continue_generation``. Any failure:
   the snapshot is restored before ``end_weight_update`` and generation continues on the old
-  weights and version.
+  weights and version. These are the steps of the kit's
+  :func:`~pipelinerl_sdk.inference_kit.update.run_update`, which orders them and normalises errors.
+
+Everything not specific to SGLang (identity, options, bookkeeping, update ordering and errors, chat
+preparation and response assembly, serving) is the SDK's inference kit.
 """
 
 from __future__ import annotations
@@ -26,27 +30,15 @@ import importlib.util
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
+from pipelinerl_sdk import protocol as wire
+from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
-from pipelinerl_sdk.logprobs import choice_logprobs
-from pipelinerl_sdk.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    GroupState,
-    InitProcessGroupRequest,
-    InitProcessGroupResponse,
-    ParamSpec,
-    ProbeBroadcastRequest,
-    ReceiveMode,
-    Usage,
-    WeightUpdateRequest,
-)
+from pipelinerl_sdk.inference_kit import KitBackend, UpdateSteps
+from pipelinerl_sdk.inference_kit.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
     SGLangError,
@@ -59,8 +51,6 @@ from pipelinerl_sdk_sglang.engine import (
 from pipelinerl_sdk_sglang.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_sglang")
-
-DEFAULT_MAX_TOKENS = 256
 
 OPTIONS = {
     "context_length": "context length, prompt + completion (default 2048)",
@@ -83,79 +73,36 @@ def _spans_to_versions(meta: dict[str, Any], n: int) -> list[int]:
     spans = meta.get("weight_versions")
     if spans is None:
         return [int(meta["weight_version"])] * n
-    versions: list[int] = []
-    for s in spans:
-        versions.extend([int(s["version"])] * (int(s["end"]) - int(s["start"])))
-    if len(versions) != n:
-        raise RuntimeError(f"SGLang reported weight-version spans for {len(versions)} of {n} tokens: {spans}")
-    return versions
+    return versions_from_spans(((int(s["version"]), int(s["start"]), int(s["end"])) for s in spans), n, engine="SGLang")
 
 
-class SGLangInferenceBackend(InferenceBackend):
+class SGLangInferenceBackend(KitBackend):
     """``pipelinerl serve --backend sglang --model PATH [--dtype float32|bfloat16]``; options
     (``--option k=v``): see :data:`OPTIONS`."""
 
+    backend_name = "sglang"
     capabilities = CAPABILITIES
+    OPTIONS = OPTIONS
 
     def __init__(self, config: ServeConfig) -> None:
-        unknown = set(config.options) - set(OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown option(s) for the sglang backend: {sorted(unknown)} (known: {sorted(OPTIONS)})")
-        if not Path(config.model, "config.json").is_file():
-            raise FileNotFoundError(f"model: no HF model at {config.model!r} (config.json missing)")
-        if config.dtype not in CAPABILITIES.dtypes:
-            raise ValueError(
-                f"dtype {config.dtype!r} not served by the sglang backend (use {sorted(CAPABILITIES.dtypes)})"
-            )
-        if config.receive_mode is not None and config.receive_mode not in CAPABILITIES.receive_modes:
-            raise ValueError(f"receive mode {config.receive_mode!r}: the sglang backend receives 'direct' only")
+        super().__init__(config)
         if importlib.util.find_spec("sglang") is None:
             raise PluginError(
                 "the sglang backend needs SGLang 0.5.23 in this environment: pip install "
                 "'pipelinerl-sdk-sglang[gpu]' on a GPU host, or run scripts/setup-sglang (CPU test harness)"
             )
-        self._config = config
-        self._opts = dict(config.options)
-        self._model_name = str(config.model)
-        self._context = int(self._opts.get("context_length", "2048"))
-        self._tp = int(self._opts.get("tp", "1"))
-        self._atomic = self._opts.get("atomic", "1") == "1"
-        self._device = self._opts.get("device", "")
+        self._context = int(self.opts.get("context_length", "2048"))
+        self.workers = self._tp = int(self.opts.get("tp", "1"))
+        self._atomic = self.opts.get("atomic", "1") == "1"
+        self._device = self.opts.get("device", "")
         self._proc: SGLangProcess | None = None
         self._sgl: SGLangClient | None = None
         self._tokenizer: Any = None
-        self._specs: list[ParamSpec] = []
-        self._version = 0
-        self._group: GroupState | None = None
         self._decisions: Any = None  # weights.group.DecisionBoard
-
-    # --- identity ---------------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        return "sglang"
-
-    @property
-    def model_name(self) -> str:
-        return self._model_name
 
     @property
     def max_model_len(self) -> int | None:
         return self._context
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def receiving_workers(self) -> int:
-        return self._tp
-
-    def param_specs(self) -> list[ParamSpec]:
-        return list(self._specs)
-
-    def group_state(self) -> GroupState | None:
-        return self._group
 
     @property
     def sglang(self) -> SGLangClient:
@@ -174,23 +121,23 @@ class SGLangInferenceBackend(InferenceBackend):
 
         device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._device = device
-        self._tokenizer = AutoTokenizer.from_pretrained(self._config.model)
-        self._specs = hf_param_specs(self._config.model, self._config.dtype)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.specs = hf_param_specs(self.config.model, self.config.dtype)
         api_key = new_api_key()
         port = free_port()
         args = launch_args(
-            self._model_name,
-            dtype=self._config.dtype,
+            self.model_name,
+            dtype=self.config.dtype,
             port=port,
             api_key=api_key,
             device=device,
             context_length=self._context,
-            options=self._opts,
+            options=self.opts,
         )
         env = launch_env(device)
         t0 = time.perf_counter()
-        if "sglang_url" in self._opts:  # attached: someone else runs (and stops) SGLang
-            self._sgl = SGLangClient(self._opts["sglang_url"], self._opts.get("sglang_api_key", ""))
+        if "sglang_url" in self.opts:  # attached: someone else runs (and stops) SGLang
+            self._sgl = SGLangClient(self.opts["sglang_url"], self.opts.get("sglang_api_key", ""))
         else:
             self._proc = SGLangProcess(args, port=port, env=env)
             self._sgl = SGLangClient(self._proc.url, api_key)
@@ -198,7 +145,7 @@ class SGLangInferenceBackend(InferenceBackend):
             print(f"pipelinerl: starting SGLang ({device}); log {self._proc.log_path}", flush=True)
         try:
             if self._proc is not None:
-                await self._proc.wait_ready(self._sgl, float(self._opts.get("startup_timeout_s", "600")))
+                await self._proc.wait_ready(self._sgl, float(self.opts.get("startup_timeout_s", "600")))
             await self._sgl.generate(
                 {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
             )
@@ -215,14 +162,13 @@ class SGLangInferenceBackend(InferenceBackend):
 
     # --- weight sync ------------------------------------------------------------------------------
 
-    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+    async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         from pipelinerl_sdk.protocol import parse_init_method
         from pipelinerl_sdk.weights.group import DecisionBoard
 
-        if req.backend == "nccl" and self._device == "cpu":
-            raise GroupError("backend 'nccl' needs CUDA; this SGLang server runs on CPU (use 'gloo')")
+        self.refuse_nccl_on_cpu(req, self._device == "cpu")
         host, port = parse_init_method(req.init_method)
-        old, self._group, self._decisions = self._group, None, None
+        old, self._decisions = self.book.leave(), None
         if old is not None:  # SGLang refuses a second group of the same name
             try:
                 await self.sglang.control("/destroy_weights_update_group", {"group_name": old.group_name})
@@ -243,20 +189,9 @@ class SGLangInferenceBackend(InferenceBackend):
         except (SGLangError, TimeoutError) as e:
             raise GroupError(f"SGLang could not join {req.group_name!r} at {req.init_method}: {e}") from e
         self._decisions = decisions
-        ranks = list(range(req.rank_offset, req.rank_offset + self._tp))
-        self._group = GroupState(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend, broken=False
-        )
-        return InitProcessGroupResponse(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend
-        )
+        return self.book.join(req, self._tp)
 
-    def _mark_broken(self, reason: str) -> None:
-        g = self._group
-        if g is not None and not g.broken:
-            self._group = g.model_copy(update={"broken": True, "reason": reason})
-
-    def validate_update(self, req: WeightUpdateRequest) -> None:
+    def validate_update(self, req: wire.WeightUpdateRequest) -> None:
         """The SDK's checks, then one of SGLang's: each bucket must be the plain concatenation of
         its params (a flattened bucket carries no alignment padding), true whenever every param's
         byte size is a multiple of 64."""
@@ -283,41 +218,38 @@ class SGLangInferenceBackend(InferenceBackend):
                 )
 
     async def _await_go(self, key: str, timeout_s: float) -> None:
-        """The trainer's decision for ``key``; UpdateAborted leaves the group healthy, a timeout
-        or a lost store marks it broken."""
+        """The trainer's decision for ``key``, read here (never inside SGLang): UpdateAborted
+        leaves the group healthy, GroupError (a timeout, a lost store) means it is broken."""
         if self._decisions is None:
             raise GroupError("no weight-update group: call /init_process_group first")
-        try:
-            await asyncio.to_thread(self._decisions.wait, key, timeout_s)
-        except GroupError as e:
-            self._mark_broken(str(e))
-            raise
-
-    async def update_weights(
-        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
-    ) -> UpdateReport:
-        from pipelinerl_sdk.weights.buckets import BucketPlan
-        from pipelinerl_sdk.weights.receive import update_key
-
-        assert self._group is not None  # validate_update checked it
-        sgl = self.sglang
-        group_name = self._group.group_name
-        plan = BucketPlan.build(req.params, req.bucket_bytes)
-        key = update_key(req.version)
-        t0 = time.perf_counter()
-        on_accepted()  # SGLang is in the group: the trainer may decide
-        await self._await_go(key, req.timeout_s)
+        await asyncio.to_thread(self._decisions.wait, key, timeout_s)
         self._decisions.clear(key)
-        paused_at = time.perf_counter()
-        session = snapshot = loaded = False
-        receive_s = 0.0
+
+    @asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        await self.sglang.control("/pause_generation", {"mode": "in_place"})
         try:
-            await sgl.control("/pause_generation", {"mode": "in_place"})
+            yield
+        finally:
+            await self.sglang.control("/continue_generation", {})
+
+    def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
+        from pipelinerl_sdk.weights.buckets import BucketPlan
+
+        sgl, group_name = self.sglang, self.require_group().group_name
+        plan = BucketPlan.build(req.params, req.bucket_bytes)
+        state = {"session": False, "snapshot": False, "loaded": False}
+
+        async def await_go() -> None:
+            await self._await_go(wire.update_key(req.version), req.timeout_s)
+
+        async def receive() -> float:
+            """Inside the pause: SGLang loads each bucket as it arrives (the apply is in here)."""
             await sgl.control("/begin_weight_update", {})
-            session = True
+            state["session"] = True
             if self._atomic and len(plan.buckets) > 1:
                 await sgl.call_hook("snapshot", [], self._tp)
-                snapshot = True
+                state["snapshot"] = True
             t_recv = time.perf_counter()
             last = len(plan.buckets) - 1
             for b in plan.buckets:
@@ -335,32 +267,23 @@ class SGLangInferenceBackend(InferenceBackend):
                     await sgl.control("/update_weights_from_distributed", body)
                 except SGLangError as e:
                     if "receive" in str(e).lower():
-                        self._mark_broken(f"bucket {b.index} receive failed: {e}")
+                        raise GroupError(f"bucket {b.index}/{last + 1} receive failed: {e}") from e
                     raise UpdateFailed(f"bucket {b.index}/{last + 1}: {e}") from e
-                loaded = True
-            receive_s = time.perf_counter() - t_recv
-            self._version = req.version
-        except BaseException as e:
-            await self._roll_back(snapshot, loaded, session, e)
-            session = False
-            raise
-        finally:
-            if session:
-                if snapshot:
-                    await sgl.call_hook("discard", [], self._tp)
-                await sgl.control("/end_weight_update", {})
-            await sgl.control("/continue_generation", {})
-        pause_s = time.perf_counter() - paused_at
-        return UpdateReport(
-            version=req.version,
-            mode=mode,
-            pause_s=pause_s,
-            receive_s=receive_s,
-            apply_s=0.0,  # SGLang loads each bucket as it arrives: inside receive_s
-            total_s=time.perf_counter() - t0,
-        )
+                state["loaded"] = True
+            return time.perf_counter() - t_recv
 
-    async def _roll_back(self, snapshot: bool, loaded: bool, session: bool, cause: BaseException) -> None:
+        async def apply() -> None:
+            if state["snapshot"]:
+                await sgl.call_hook("discard", [], self._tp)
+            await sgl.control("/end_weight_update", {})
+            state["session"] = False
+
+        async def abandon() -> None:
+            await self._roll_back(state["snapshot"], state["loaded"], state["session"])
+
+        return UpdateSteps(await_go, receive, apply, self._paused, abandon=abandon)
+
+    async def _roll_back(self, snapshot: bool, loaded: bool, session: bool) -> None:
         """After a failed update: put the old weights back (if any bucket was loaded) and close
         SGLang's session. Raises PluginError if old weights cannot be guaranteed."""
         sgl = self.sglang
@@ -372,53 +295,37 @@ class SGLangInferenceBackend(InferenceBackend):
             if session:
                 await sgl.control("/end_weight_update", {})
         except SGLangError as e:
-            raise PluginError(f"update failed ({cause}) and rolling back failed too: {e}") from e
+            raise PluginError(f"update failed and rolling back failed too: {e}") from e
         if loaded and not snapshot:
-            raise PluginError(f"update failed after some buckets were loaded (option atomic=0): {cause}") from cause
+            raise PluginError("update failed after some buckets were loaded (option atomic=0)")
 
-    async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:
+    async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         from pipelinerl_sdk_sglang.scheduler_hooks import probe_request
 
-        if self._group is None:
-            raise GroupError("no weight-update group: call /init_process_group first")
+        group_name = self.require_group().group_name
         sgl = self.sglang
-        await self._await_go(f"probe/{req.probe_id}", req.timeout_s)
-        await sgl.control("/pause_generation", {"mode": "in_place"})
-        try:
-            await sgl.control("/begin_weight_update", {})
+        with self.book.breaking():
+            await self._await_go(wire.probe_key(req.probe_id), req.timeout_s)
             try:
-                t0 = time.perf_counter()
-                await sgl.call_hook("probe", probe_request(self._group.group_name, req.nbytes), self._tp)
-                return time.perf_counter() - t0
-            finally:
-                await sgl.control("/end_weight_update", {})
-        except SGLangError as e:
-            self._mark_broken(f"probe failed: {e}")
-            raise GroupError(f"probe receive failed: {e}") from e
-        finally:
-            await sgl.control("/continue_generation", {})
+                async with self._paused():
+                    await sgl.control("/begin_weight_update", {})
+                    try:
+                        t0 = time.perf_counter()
+                        await sgl.call_hook("probe", probe_request(group_name, req.nbytes), self._tp)
+                        return time.perf_counter() - t0
+                    finally:
+                        await sgl.control("/end_weight_update", {})
+            except SGLangError as e:
+                raise GroupError(f"probe receive failed: {e}") from e
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
-        messages = [m.model_dump() for m in req.messages]
-        encoded = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False
-        )
-        prompt_ids = [int(t) for t in encoded]
-        top = req.top_logprobs or 0
-        if top and not req.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        room = self._context - len(prompt_ids)
-        max_tokens = req.token_budget or min(DEFAULT_MAX_TOKENS, room)
-        if max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context ({self._context})"
-            )
+    async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
+        plan = prepare_chat(self._tokenizer, req, self._context)
 
         async def one(i: int) -> dict[str, Any]:
             sampling: dict[str, Any] = {
-                "max_new_tokens": max_tokens,
+                "max_new_tokens": plan.max_tokens,
                 "temperature": req.temperature,
                 "top_p": req.top_p,
                 "ignore_eos": req.ignore_eos,
@@ -428,63 +335,53 @@ class SGLangInferenceBackend(InferenceBackend):
                 sampling["sampling_seed"] = req.seed + i
             prompt_lps = req.prompt_logprobs and i == 0
             body: dict[str, Any] = {
-                "input_ids": prompt_ids,
+                "input_ids": plan.prompt_ids,
                 "sampling_params": sampling,
                 "return_logprob": bool(req.logprobs or prompt_lps),
                 "logprob_start_len": 0 if prompt_lps else -1,
-                "top_logprobs_num": top,
+                "top_logprobs_num": plan.top,
                 "rid": f"chatcmpl-{uuid.uuid4().hex}",
             }
             return await self.sglang.generate(body)
 
         outs = await asyncio.gather(*(one(i) for i in range(req.n)))
-        choices = [self._choice(i, o, req, top) for i, o in enumerate(outs)]
-        completion_tokens = sum(len(o["output_ids"]) for o in outs)
         prompt_lps: list[float | None] | None = None
         if req.prompt_logprobs:
             raw = outs[0]["meta_info"].get("input_token_logprobs") or []
-            if len(raw) != len(prompt_ids):
-                raise RuntimeError(f"SGLang returned {len(raw)} prompt logprobs for {len(prompt_ids)} prompt tokens")
+            if len(raw) != len(plan.prompt_ids):
+                raise RuntimeError(
+                    f"SGLang returned {len(raw)} prompt logprobs for {len(plan.prompt_ids)} prompt tokens"
+                )
             prompt_lps = [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
-        return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self._model_name,
-            choices=choices,
-            usage=Usage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=completion_tokens,
-                total_tokens=len(prompt_ids) + completion_tokens,
-            ),
-            prompt_token_ids=list(prompt_ids) if req.return_token_ids else None,
+        return assemble_response(
+            self.model_name,
+            req,
+            plan,
+            [self._choice(i, o, req, plan.top) for i, o in enumerate(outs)],
+            completion_tokens=sum(len(o["output_ids"]) for o in outs),
             prompt_logprobs=prompt_lps,
         )
 
-    def _choice(self, index: int, out: dict[str, Any], req: ChatCompletionRequest, top: int) -> ChatChoice:
+    def _choice(self, index: int, out: dict[str, Any], req: wire.ChatCompletionRequest, top: int) -> wire.ChatChoice:
         meta = out["meta_info"]
         token_ids = [int(t) for t in out["output_ids"]]
-        logprobs = None
-        if req.logprobs:
-            entries = meta.get("output_token_logprobs") or []
-            if len(entries) != len(token_ids):
-                raise RuntimeError(f"SGLang returned {len(entries)} logprobs for {len(token_ids)} tokens")
-            tops = meta.get("output_top_logprobs") or [[] for _ in token_ids]
-            logprobs = choice_logprobs(
-                self._tokenizer,
-                token_ids,
-                [lp for lp, _tid, _ in entries],
-                [[(int(a[1]), float(a[0])) for a in (alts or [])[:top]] for alts in tops],
-            )
+        entries = (meta.get("output_token_logprobs") or []) if req.logprobs else []
+        if req.logprobs and len(entries) != len(token_ids):
+            raise RuntimeError(f"SGLang returned {len(entries)} logprobs for {len(token_ids)} tokens")
+        tops = meta.get("output_top_logprobs") or [[] for _ in token_ids]
         reason = (meta.get("finish_reason") or {}).get("type", "stop")
         if reason == "abort":
             raise RuntimeError(f"SGLang aborted the request: {meta.get('finish_reason')}")
-        return ChatChoice(
-            index=index,
-            message=AssistantMessage(content=str(out.get("text", ""))),
+        return assemble_choice(
+            self._tokenizer,
+            index,
+            req,
+            text=str(out.get("text", "")),
+            token_ids=token_ids,
+            versions=_spans_to_versions(meta, len(token_ids)),
             finish_reason="length" if reason == "length" else "stop",
-            logprobs=logprobs,
-            token_ids=token_ids if req.return_token_ids else None,
-            weight_versions=_spans_to_versions(meta, len(token_ids)),
+            logprobs=[lp for lp, _tid, _ in entries],
+            top_logprobs=[[(int(a[1]), float(a[0])) for a in (alts or [])[:top]] for alts in tops],
         )
 
 
