@@ -4,12 +4,13 @@ what is specific to its engine."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ClassVar
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
-from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.errors import GroupError, PluginError
 from pipelinerl_sdk.inference_kit.book import GroupBook
 from pipelinerl_sdk.inference_kit.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSpec, ReceiveMode, WeightUpdateRequest
@@ -34,8 +35,13 @@ class KitBackend(InferenceBackend):
 
     backend_name: ClassVar[str]
     OPTIONS: ClassVar[Mapping[str, str]] = {}
+    #: ``(import name, what is needed and how to install it)`` of the engine, checked first: a
+    #: missing engine is a PluginError "the NAME backend needs ..." before anything loads.
+    ENGINE: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, config: ServeConfig) -> None:
+        if self.ENGINE is not None and importlib.util.find_spec(self.ENGINE[0]) is None:
+            raise PluginError(f"the {self.backend_name} backend needs {self.ENGINE[1]}")
         unknown = set(config.options) - set(self.OPTIONS)
         if unknown:
             raise ValueError(

