@@ -27,7 +27,10 @@ def _options(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    registry = load_registry()
+    from pipelinerl_sdk.stdout_guard import stdout_to_stderr
+
+    with stdout_to_stderr():  # a plugin that prints at import must not break --json
+        registry = load_registry()
     entries = [
         {
             "kind": e.kind,
@@ -106,6 +109,16 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from pipelinerl_sdk.stdout_guard import stdout_to_stderr
+
+    # The result is the only thing on stdout: engines' and children's prints go to stderr.
+    with stdout_to_stderr():
+        result = _run_bench(args)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "weight-update":
         from pipelinerl_sdk.bench.weight_update import run_weight_update_bench
 
@@ -136,8 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_pipeline_bench(args.config, args.set, args.out_dir)
     else:
         raise SystemExit(f"unknown benchmark {args.what!r}")
-    print(json.dumps(result, indent=None if args.json else 2))
-    return 0
+    return result
 
 
 def cmd_run(args: argparse.Namespace) -> int:
