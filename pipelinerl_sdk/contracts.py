@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pipelinerl_sdk.errors import UpdateRejected
 from pipelinerl_sdk.protocol import (
@@ -134,11 +134,8 @@ class InferenceBackend(ABC):
       paused, and nothing of the update is visible. Requests in flight are never dropped.
     """
 
+    #: The capabilities the backend registered (one constant: the registry checks they agree).
     capabilities: InferenceCapabilities = InferenceCapabilities()
-    #: ``"module:attr"`` of the engine's own documented update flow
-    #: (:class:`pipelinerl_sdk.bench.anchor.NativeUpdateFlow`), the anchor ``pipelinerl bench
-    #: weight-update`` measures next to the SDK's update; None if the engine has none.
-    native_update_flow: ClassVar[str | None] = None
 
     @abstractmethod
     async def start(self) -> None: ...

@@ -76,7 +76,6 @@ class VLLMInferenceBackend(InferenceBackend):
     (``--option k=v``): see :data:`OPTIONS`."""
 
     capabilities = CAPABILITIES
-    native_update_flow = "pipelinerl_sdk_vllm.native_flow:FLOW"
 
     def __init__(self, config: ServeConfig) -> None:
         unknown = set(config.options) - set(OPTIONS)
