@@ -88,12 +88,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         options=_options(args.option),
     )
-    factory = load_registry().factory("inference", args.backend)
+    registry = load_registry()
+    registry.factory("inference", args.backend)  # an import error before binding or loading anything
     if args.port:  # fail before loading a model, not after
         from pipelinerl_sdk.http.server import bind_socket
 
         bind_socket(args.host, args.port).close()
-    backend = factory(config)
+    backend = registry.create_inference(args.backend, config)
     from pipelinerl_sdk.inference_kit.serve import serve
 
     serve(backend, config)

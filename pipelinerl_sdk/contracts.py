@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pipelinerl_sdk.errors import UpdateRejected
 from pipelinerl_sdk.protocol import (
@@ -64,8 +64,13 @@ def inference_capabilities_from_dict(data: Mapping[str, Any]) -> InferenceCapabi
 
 @dataclass(frozen=True, slots=True)
 class TrainerCapabilities:
+    """What a trainer backend declares once (see :class:`InferenceCapabilities`)."""
+
     #: Parameters are sharded across ranks (ZeRO-3, FSDP); False for replicated (DDP-style).
     sharded: bool = False
+    #: The largest trainer group (``torch.distributed`` world size) the backend runs in; None means
+    #: no limit of its own (any world size the launcher starts). The conformance suite runs the
+    #: world-size-2 checks only when this is None or at least 2.
     max_world_size: int | None = None
     group_backends: frozenset[GroupBackend] = frozenset({"gloo"})
     dtypes: frozenset[str] = frozenset({"float32"})
@@ -134,11 +139,8 @@ class InferenceBackend(ABC):
     :mod:`pipelinerl_sdk.inference_kit` implements everything here that is not engine-specific.
     """
 
+    #: The capabilities the backend registered (one constant: the registry checks they agree).
     capabilities: InferenceCapabilities = InferenceCapabilities()
-    #: ``"module:attr"`` of the engine's own documented update flow
-    #: (:class:`pipelinerl_sdk.bench.anchor.NativeUpdateFlow`), the anchor ``pipelinerl bench
-    #: weight-update`` measures next to the SDK's update; None if the engine has none.
-    native_update_flow: ClassVar[str | None] = None
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -379,9 +381,23 @@ class StepMetrics:
 class TrainerBackend(ABC):
     """One rank of a trainer. SPMD: every rank calls the same methods in the same order.
 
+    The process group is the launcher's: ``torchrun`` (plus
+    :func:`pipelinerl_sdk.trainer_group.init_from_env`) or
+    :func:`~pipelinerl_sdk.trainer_group.run_ranks` initialises the default ``torch.distributed``
+    group before ``init``, and destroys it after ``close``. A backend never creates a group of
+    several ranks itself; with no group at all it runs as world size 1 (it may create a private
+    1-rank group, which its ``close`` destroys).
+
     ``init`` loads HF-format weights (identical on every rank), shards them as the backend does,
-    and builds the optimizer. ``forward`` and ``backward`` see each rank's own micro-batch.
-    ``backward`` accumulates; only ``step`` changes weights (and zeroes gradients)."""
+    and builds the optimizer. ``forward`` and ``backward`` see each rank's own micro-batch; a rank
+    may get an empty one and must still take part in the collectives of the others.
+    ``backward`` accumulates; only ``step`` changes weights (and zeroes gradients).
+
+    The loss is *summed* over micro-batches and ranks (see :class:`Objective`): the step uses the
+    gradient of that sum. Data-parallel engines (torch DDP, DeepSpeed, FSDP's default) *average*
+    gradients over ranks; an adapter on one must undo the average (scale the loss by the world
+    size, or set the engine's divide factor to 1). :mod:`pipelinerl_sdk.kit.trainer` implements
+    this contract around a few engine hooks."""
 
     capabilities: TrainerCapabilities = TrainerCapabilities()
 
@@ -412,7 +428,15 @@ class TrainerBackend(ABC):
         to ``sink`` on rank 0; the other ranks pass None and take part in the gathers only."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """Full parameters under HF names (those of ``param_specs()``), copied to CPU, on every
+        rank: a collective, every rank calls it. For checkpoints (the pipeline saves an HF model
+        from it) and tests."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the model and optimizer (and a private group ``init`` created); the
+        launcher's group stays."""
 
 
 InferenceFactory = Callable[..., InferenceBackend]

@@ -5,6 +5,12 @@ point in the group :data:`ENTRY_POINT_GROUP`. Entry-point modules stay thin: the
 *dotted paths* (``"pkg.module:factory"``), imported only when a backend is created, so listing
 backends never imports an engine.
 
+Everything about a backend is declared once, at registration: its factory, its capabilities (the
+conformance suite and ``pipelinerl backends`` read them there; :meth:`BackendRegistry.create_inference`
+and :meth:`~BackendRegistry.create_trainer` check that the created backend's ``capabilities``
+agree), and, for an inference engine, its benchmark anchor (``bench_anchor``, see
+:mod:`pipelinerl_sdk.bench.anchor`), imported only by the benchmark and guarded like a factory.
+
 There is no global plugin manager: :func:`load_registry` builds a fresh one each call.
 Environment switches: ``PIPELINERL_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (built-ins
 too, since they are entry points like any other), ``PIPELINERL_PLUGINS=a,b`` loads only the
@@ -25,7 +31,13 @@ from typing import Any, Literal, TypeVar, cast
 
 import pluggy
 
-from pipelinerl_sdk.contracts import InferenceCapabilities, TrainerCapabilities
+from pipelinerl_sdk.contracts import (
+    InferenceBackend,
+    InferenceCapabilities,
+    ServeConfig,
+    TrainerBackend,
+    TrainerCapabilities,
+)
 from pipelinerl_sdk.errors import PluginError
 
 PROJECT = "pipelinerl_sdk"
@@ -63,6 +75,9 @@ class BackendEntry:
     capabilities: InferenceCapabilities | TrainerCapabilities
     plugin: str
     description: str = ""
+    #: ``"module:attr"`` of the engine's own documented weight-update flow, the anchor of
+    #: ``pipelinerl bench weight-update`` (inference backends only; see :mod:`pipelinerl_sdk.bench.anchor`).
+    bench_anchor: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +107,15 @@ class BackendRegistry:
         factory: str | Callable[..., Any],
         capabilities: InferenceCapabilities,
         description: str = "",
+        *,
+        bench_anchor: str | None = None,
     ) -> None:
-        self._register("inference", name, factory, capabilities, description)
+        """Register an inference backend: ``factory(ServeConfig) -> InferenceBackend`` (or its
+        ``"module:attr"``), the capabilities it keeps, and optionally ``bench_anchor``, the
+        ``"module:attr"`` of its engine's own update flow for the benchmark."""
+        if bench_anchor is not None and ":" not in bench_anchor:
+            raise PluginError(f"plugin {self._current_plugin!r}: bench_anchor {bench_anchor!r} must be 'module:attr'")
+        self._register("inference", name, factory, capabilities, description, bench_anchor)
 
     def register_trainer_backend(
         self,
@@ -102,6 +124,8 @@ class BackendRegistry:
         capabilities: TrainerCapabilities,
         description: str = "",
     ) -> None:
+        """Register a trainer backend: ``factory() -> TrainerBackend`` (or its ``"module:attr"``)
+        and the capabilities it keeps."""
         self._register("trainer", name, factory, capabilities, description)
 
     def _register(
@@ -111,6 +135,7 @@ class BackendRegistry:
         factory: str | Callable[..., Any],
         capabilities: InferenceCapabilities | TrainerCapabilities,
         description: str,
+        bench_anchor: str | None = None,
     ) -> None:
         if not name or not name.replace("-", "_").replace(".", "_").isidentifier():
             raise PluginError(f"plugin {self._current_plugin!r}: invalid backend name {name!r}")
@@ -125,7 +150,9 @@ class BackendRegistry:
                 f"{kind} backend {name!r} registered twice: by {old.plugin!r} and by "
                 f"{self._current_plugin!r}; uninstall one or use {ENV_ALLOW} to choose"
             )
-        self.entries[(kind, name)] = BackendEntry(kind, name, factory, capabilities, self._current_plugin, description)
+        self.entries[(kind, name)] = BackendEntry(
+            kind, name, factory, capabilities, self._current_plugin, description, bench_anchor
+        )
 
     def names(self, kind: Kind) -> list[str]:
         return sorted(n for k, n in self.entries if k == kind)
@@ -146,17 +173,64 @@ class BackendRegistry:
         entry = self.get(kind, name)
         if callable(entry.factory):
             return entry.factory
-        module, _, attr = entry.factory.partition(":")
-        try:
-            obj = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except Exception as e:
-            raise PluginError(
-                f"Error importing {kind} backend {name!r} from plugin {entry.plugin!r} ({entry.factory}): "
-                f"{type(e).__name__}: {e}. Is the engine installed in this environment?"
-            ) from e
-        return cast(Callable[..., Any], obj)
+        return cast(Callable[..., Any], _resolve(entry, entry.factory, "backend"))
+
+    def create_inference(self, name: str, config: ServeConfig) -> InferenceBackend:
+        """Create the inference backend ``name`` for ``config``: PluginError (naming plugin and
+        remedy) when its factory cannot be imported, returns no :class:`InferenceBackend`, or
+        returns one whose ``capabilities`` differ from those it registered."""
+        backend = self.factory("inference", name)(config)
+        _check(self.get("inference", name), backend, InferenceBackend)
+        return cast(InferenceBackend, backend)
+
+    def create_trainer(self, name: str) -> TrainerBackend:
+        """Create one rank of the trainer backend ``name`` (not initialised); the checks of
+        :meth:`create_inference`, against :class:`TrainerBackend`."""
+        backend = self.factory("trainer", name)()
+        _check(self.get("trainer", name), backend, TrainerBackend)
+        return cast(TrainerBackend, backend)
+
+    def bench_anchor(self, name: str) -> object | None:
+        """The benchmark anchor the inference backend ``name`` registered (imported now), or None;
+        PluginError naming the plugin when it cannot be imported."""
+        entry = self.get("inference", name)
+        return None if entry.bench_anchor is None else _resolve(entry, entry.bench_anchor, "bench anchor")
+
+
+def _resolve(entry: BackendEntry, path: str, what: str) -> object:
+    """Import ``"module:attr"`` (``attr`` may be dotted) for ``entry``; PluginError on failure."""
+    module, _, attr = path.partition(":")
+    try:
+        obj: object = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise PluginError(
+            f"Error importing {entry.kind} {what} {entry.name!r} from plugin {entry.plugin!r} ({path}): "
+            f"{type(e).__name__}: {e}. Is the engine installed in this environment?"
+        ) from e
+    return obj
+
+
+def _check(entry: BackendEntry, backend: object, contract: type[Any]) -> None:
+    """PluginError unless ``backend`` implements ``contract`` with the registered capabilities."""
+    where = f"{entry.kind} backend {entry.name!r} from plugin {entry.plugin!r}"
+    if not isinstance(backend, contract):
+        raise PluginError(
+            f"{where}: its factory ({entry.factory!r}) returned a {type(backend).__name__}, not a "
+            f"{contract.__name__}; subclass pipelinerl_sdk.{contract.__name__}"
+        )
+    declared, actual = entry.capabilities, backend.capabilities
+    if declared != actual:
+        diff = [
+            f"{f}: registered {getattr(declared, f)!r}, backend has {getattr(actual, f, None)!r}"
+            for f in type(declared).__slots__
+            if getattr(declared, f) != getattr(actual, f, None)
+        ]
+        raise PluginError(
+            f"{where}: the backend's capabilities differ from those it registered ({'; '.join(diff) or 'type'}); "
+            "declare them once (one constant, registered and set as the class attribute)"
+        )
 
 
 def make_plugin_manager() -> pluggy.PluginManager:

@@ -61,6 +61,18 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     assert PipelineConfig.load(f, ["lr=0.002"]).lr == 0.002
 
 
+def test_plots_without_matplotlib_fail_at_config_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plots extra is optional: without matplotlib a run with plots is refused before it starts
+    (naming the field and the extra), not after it trained; plots=false runs."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ValueError, match=r"plots: matplotlib is not installed \(pip install 'pipelinerl-sdk\[plots\]'"):
+        PipelineConfig.load(None)
+    assert PipelineConfig.load(None, ["plots=false"]).plots is False
+
+
 def test_tasks_reward_exact_answers() -> None:
     task = get_task("digit-successor")
     assert isinstance(task, DigitSum)

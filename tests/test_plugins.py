@@ -555,3 +555,88 @@ def test_cli_backends_plain() -> None:
     assert any(line.split()[:2] == ["trainer", "reference"] for line in lines)
     plugins = lines.index("plugins:")
     assert ["reference", "loaded", "pipelinerl-sdk"] in [line.split()[:3] for line in lines[plugins + 1 :]]
+
+
+# --- typed creation, capabilities declared once, the benchmark anchor -----------------------------
+
+
+class _Registers:
+    """An in-process plugin registering what ``register`` does."""
+
+    def __init__(self, register: Callable[[BackendRegistry], None]) -> None:
+        self.register = register
+
+    @hookimpl
+    def register_backends(self, registry: BackendRegistry) -> None:
+        self.register(registry)
+
+
+def _registry(register: Callable[[BackendRegistry], None]) -> BackendRegistry:
+    registry = load_registry(autoload=False, plugins={"p": _Registers(register)})
+    assert result(registry, "p").status == "loaded"
+    return registry
+
+
+def test_create_trainer_returns_the_backend() -> None:
+    from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+
+    trainer = load_registry(allow=["reference"]).create_trainer("reference")
+    assert type(trainer) is ReferenceTrainer
+    assert trainer.capabilities == reference_caps.TRAINER
+
+
+def test_create_refuses_a_factory_that_returns_no_backend() -> None:
+    from pipelinerl_sdk.contracts import ServeConfig
+
+    registry = _registry(
+        lambda r: (r.register_trainer_backend("t", dict, TRN), r.register_inference_backend("i", lambda c: c, INF))
+    )
+    with pytest.raises(PluginError) as info:
+        registry.create_trainer("t")
+    assert str(info.value) == (
+        "trainer backend 't' from plugin 'p': its factory (<class 'dict'>) returned a dict, not a TrainerBackend; "
+        "subclass pipelinerl_sdk.TrainerBackend"
+    )
+    with pytest.raises(PluginError, match=r"inference backend 'i' from plugin 'p': .* returned a ServeConfig, not an?"):
+        registry.create_inference("i", ServeConfig(model="m"))
+
+
+def test_create_refuses_capabilities_that_differ_from_the_registration() -> None:
+    """Registered sharded, the class says replicated: creation fails naming the field (the suite reads
+    the registration for launched targets and the backend's own for URL targets; they must agree)."""
+    wrong = dataclasses.replace(reference_caps.TRAINER, sharded=True)
+    registry = _registry(
+        lambda r: r.register_trainer_backend("lying", "pipelinerl_sdk.reference.trainer:ReferenceTrainer", wrong)
+    )
+    with pytest.raises(PluginError) as info:
+        registry.create_trainer("lying")
+    message = str(info.value)
+    assert message.startswith("trainer backend 'lying' from plugin 'p': the backend's capabilities differ")
+    assert "sharded: registered True, backend has False" in message
+    assert "max_world_size" not in message  # only the fields that differ
+
+
+def test_bench_anchor_is_registered_resolved_lazily_and_guarded() -> None:
+    from pipelinerl_sdk.bench.anchor import load_anchor
+
+    registry = _registry(
+        lambda r: (
+            r.register_inference_backend("standalone", dict, INF, bench_anchor="json:dumps"),
+            r.register_inference_backend("flow", dict, INF, bench_anchor="os:environ"),  # has update()
+            r.register_inference_backend("none", dict, INF),
+            r.register_inference_backend("missing", dict, INF, bench_anchor="no_such_module_pipelinerl_test:A"),
+        )
+    )
+    assert registry.get("inference", "standalone").bench_anchor == "json:dumps"
+    standalone, flow = load_anchor("standalone", registry), load_anchor("flow", registry)
+    assert standalone is not None and standalone.standalone is json.dumps and standalone.flow is None
+    assert flow is not None and flow.flow is os.environ and flow.standalone is None
+    assert load_anchor("none", registry) is None
+    with pytest.raises(PluginError) as info:
+        load_anchor("missing", registry)
+    assert str(info.value).startswith(
+        "Error importing inference bench anchor 'missing' from plugin 'p' (no_such_module_pipelinerl_test:A): "
+        "ModuleNotFoundError"
+    )
+    with pytest.raises(PluginError, match=r"bench_anchor 'x\.y' must be 'module:attr'"):
+        BackendRegistry().register_inference_backend("x", dict, INF, bench_anchor="x.y")

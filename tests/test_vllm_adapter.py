@@ -259,10 +259,10 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
     trainer step published through /pause, /start_weight_update, /update_weights,
     /finish_weight_update and /resume is what vLLM then serves (logprobs equal the trainer's,
     fp32: 1e-4); vLLM's own /weight_info reports the version; the SDK's next update still works."""
-    from pipelinerl_sdk.bench.anchor import load_native_flow
-    from pipelinerl_sdk.plugins import load_registry
+    from pipelinerl_sdk.bench.anchor import load_anchor
 
-    flow = load_native_flow(load_registry().factory("inference", "vllm"))
+    anchor = load_anchor("vllm")
+    flow = anchor.flow if anchor is not None else None
     assert flow is not None and flow.server_env == {"VLLM_SERVER_DEV_MODE": "1"}
     trainer = ReferenceTrainer()
     trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))

@@ -2,25 +2,37 @@
 own API as its documentation shows, so ``pipelinerl bench weight-update`` can put the SDK's
 update next to what a user of the engine would do without the SDK.
 
-An inference backend offers one by naming a :class:`NativeUpdateFlow` in its class attribute
-``InferenceBackend.native_update_flow`` (``"module:attr"``, imported only by the benchmark). The
-flow reuses the weight-update group the SDK's publisher already formed (the transport that works
-on this machine), so the two differ only in what each drives over HTTP and when each pauses.
+An inference backend offers one where it registers (the one extension point)::
+
+    registry.register_inference_backend("myengine", ..., bench_anchor="pkg.module:ANCHOR")
+
+imported only by the benchmark, guarded like a backend's factory. ``ANCHOR`` has one of two shapes:
+
+- a :class:`NativeUpdateFlow` (it has ``update``): it reuses the SDK's own server and the
+  weight-update group the SDK's publisher already formed (the transport that works on this
+  machine), so the two differ only in what each drives over HTTP and when each pauses; measured
+  as mode ``native`` (vLLM's);
+- a :data:`StandaloneAnchor` callable ``anchor(model_dir, *, dtype, updates) -> dict`` with at least
+  ``update_wall_s`` (median seconds of one update): it starts its own plain engine server and group,
+  after the SDK's server has stopped (SGLang's).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from pipelinerl_sdk.errors import PluginError
+from pipelinerl_sdk.plugins import BackendRegistry, load_registry
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.send import WeightSender
 
-__all__ = ["NativeUpdate", "NativeUpdateFlow", "load_native_flow"]
+__all__ = ["BenchAnchor", "NativeUpdate", "NativeUpdateFlow", "StandaloneAnchor", "load_anchor"]
+
+#: ``anchor(model_dir, *, dtype, updates) -> dict`` with at least ``update_wall_s``.
+StandaloneAnchor = Callable[..., dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +68,22 @@ class NativeUpdateFlow(Protocol):
         ...
 
 
-def load_native_flow(backend_factory: object) -> NativeUpdateFlow | None:
-    """The flow named by the backend class's ``native_update_flow``, or None if it names none."""
-    path: str | None = getattr(backend_factory, "native_update_flow", None)
-    if not path:
+@dataclass(frozen=True, slots=True)
+class BenchAnchor:
+    """A backend's registered anchor, by shape: exactly one field is set."""
+
+    flow: NativeUpdateFlow | None = None
+    standalone: StandaloneAnchor | None = None
+
+
+def load_anchor(backend: str, registry: BackendRegistry | None = None) -> BenchAnchor | None:
+    """The anchor the inference backend ``backend`` registered (``bench_anchor``), or None;
+    PluginError when it cannot be imported or has neither shape."""
+    obj = (registry or load_registry()).bench_anchor(backend)
+    if obj is None:
         return None
-    module, _, attr = path.partition(":")
-    try:
-        flow: NativeUpdateFlow = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise PluginError(f"{backend_factory!r}.native_update_flow = {path!r} cannot be imported: {e}") from e
-    return flow
+    if callable(getattr(obj, "update", None)):
+        return BenchAnchor(flow=cast(NativeUpdateFlow, obj))
+    if callable(obj):
+        return BenchAnchor(standalone=cast(StandaloneAnchor, obj))
+    raise PluginError(f"{backend}: bench_anchor {obj!r} is neither a NativeUpdateFlow nor a callable")

@@ -124,7 +124,7 @@ def gather_rank(ctx: RankContext, job: GatherJob) -> dict[str, Any]:
 
     if job.torch_threads is not None:
         torch.set_num_threads(job.torch_threads)
-    trainer: TrainerBackend = load_registry().factory("trainer", job.trainer)()
+    trainer: TrainerBackend = load_registry().create_trainer(job.trainer)
     try:
         trainer.init(TrainerSpec(model=job.model, dtype="float32", options=dict(job.options)))
         if not ctx.is_main:

@@ -13,9 +13,9 @@ once:
   two under the same conditions: this machine's loopback broadcast alone varies by up to 1.8x
   between minutes. Each mode reports the median of its own probes; the top level, of all probes.
 
-Then, per receive mode (``staged``, ``direct``) and, when the backend names one
-(``InferenceBackend.native_update_flow``), for the engine's own documented flow (``native``, the
-anchor: :mod:`pipelinerl_sdk.bench.anchor`): one warm-up update, ``updates`` timed updates
+Then, per receive mode (``staged``, ``direct``) and, when the backend registered one as its
+``bench_anchor``, for the engine's own documented flow (``native``, the anchor:
+:mod:`pipelinerl_sdk.bench.anchor`): one warm-up update, ``updates`` timed updates
 on an idle server, each after a flat probe (``update_wall_s`` = ``publisher.last.wall_s``,
 ``pause_s`` = the server's reported pause; medians), then a chat load (``concurrency`` workers, ``max_tokens`` 32,
 temperature 1.0, ``ignore_eos``; see :mod:`pipelinerl_sdk.bench.load`) measured over two
@@ -24,10 +24,10 @@ second. Tokens count only requests that finish inside a window. ``under_load`` h
 of the updates published during the second window. Updates resend the trainer's unchanged weights
 (the transfer and apply are the same work); versions increase strictly across the whole run.
 
-Anchors, two shapes: an engine flow that can drive the SDK's own server and group
-(``InferenceBackend.native_update_flow``, vLLM's) is measured as mode ``native``, exactly like
-the SDK's modes (idle updates and tokens/s under load); an engine flow that needs its own plain
-server and group (entry-point group ``pipelinerl_sdk.bench_anchors``, SGLang's
+Anchors (registered with the backend, ``bench_anchor``), two shapes: an engine flow that can
+drive the SDK's own server and group (a ``NativeUpdateFlow``, vLLM's) is measured as mode
+``native``, exactly like the SDK's modes (idle updates and tokens/s under load); an engine flow
+that needs its own plain server and group (a standalone anchor, SGLang's
 ``/update_weights_from_distributed`` sequence) runs after the server above has stopped, on the
 same model, idle only, and every mode gains ``update_over_native_anchor`` (the SDK's update wall
 time over the engine's own).
@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from pipelinerl_sdk.bench.anchor import NativeUpdateFlow, load_native_flow
+from pipelinerl_sdk.bench.anchor import NativeUpdateFlow, load_anchor
 from pipelinerl_sdk.bench.load import SUPPORTS_IGNORE_EOS, ChatLoad
 from pipelinerl_sdk.bench.model import bench_model
 from pipelinerl_sdk.contracts import TrainerSpec
@@ -126,7 +126,10 @@ def run_weight_update_bench(
         if backend != "reference":
             server_threads = None  # the thread option is the reference server's
         options: dict[str, object] = {} if server_threads is None else {"threads": server_threads}
-        flow = load_native_flow(load_registry().factory("inference", backend)) if native else None
+        registry = load_registry()
+        registry.factory("inference", backend)  # an import error before anything starts
+        anchor = load_anchor(backend, registry) if native else None
+        flow = anchor.flow if anchor is not None else None
         try:
             if torch_threads is not None:
                 torch.set_num_threads(torch_threads)
@@ -147,9 +150,8 @@ def run_weight_update_bench(
                 )
             # The engine's own update flow, when its adapter registers one (after the server
             # above has stopped: one engine at a time).
-            anchor = native_anchor(backend) if native else None
-            if anchor is not None:
-                result["native_anchor"] = anchor(path, dtype="float32", updates=updates)
+            if anchor is not None and anchor.standalone is not None:
+                result["native_anchor"] = anchor.standalone(path, dtype="float32", updates=updates)
                 native_s = result["native_anchor"]["update_wall_s"]
                 for figures in result["modes"].values():
                     if "update_wall_s" in figures:
@@ -166,23 +168,6 @@ def run_weight_update_bench(
         wall_s=time.perf_counter() - started,
     )
     return result
-
-
-#: Entry-point group where an adapter may register its engine's own update flow as the benchmark's
-#: anchor: ``name = "module:function"`` with the backend's name, ``function(model_dir, *, dtype,
-#: updates) -> dict`` holding at least ``update_wall_s`` (median seconds of one update).
-ANCHOR_GROUP = "pipelinerl_sdk.bench_anchors"
-
-
-def native_anchor(backend: str) -> Callable[..., dict[str, Any]] | None:
-    """The anchor registered for ``backend``, or None."""
-    from importlib import metadata
-
-    for ep in metadata.entry_points(group=ANCHOR_GROUP):
-        if ep.name == backend:
-            fn: Callable[..., dict[str, Any]] = ep.load()
-            return fn
-    return None
 
 
 async def _bench(

@@ -138,7 +138,7 @@ def resolve_targets(values: Sequence[str]) -> tuple[list[InferenceTarget], list[
 
 def _lazy_factory(name: str) -> Callable[[], TrainerBackend]:
     def make() -> TrainerBackend:
-        backend: TrainerBackend = load_registry().factory("trainer", name)()
+        backend: TrainerBackend = load_registry().create_trainer(name)
         return backend
 
     return make

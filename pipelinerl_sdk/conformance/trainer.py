@@ -335,7 +335,7 @@ def sharded_step(ctx: RankContext, job: ShardedStepJob) -> dict[str, Any]:
     the gathered params."""
     from pipelinerl_sdk.plugins import load_registry
 
-    trainer: TrainerBackend = load_registry().factory("trainer", job.backend)()
+    trainer: TrainerBackend = load_registry().create_trainer(job.backend)
     try:
         trainer.init(job.spec)
         mine = shard(job.batch, ctx.rank, ctx.world_size)

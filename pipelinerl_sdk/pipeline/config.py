@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import tomllib
 from pathlib import Path
@@ -68,6 +69,8 @@ class PipelineConfig(BaseModel):
             self.max_lag = 0
         if self.server_urls and self.control_token is None:
             raise ValueError("control_token: required with server_urls (the servers' control token)")
+        if self.plots and importlib.util.find_spec("matplotlib") is None:  # fail now, not after the run
+            raise ValueError("plots: matplotlib is not installed (pip install 'pipelinerl-sdk[plots]'; or plots=false)")
         return self
 
     @classmethod

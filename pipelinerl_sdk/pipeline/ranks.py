@@ -90,6 +90,11 @@ class LeaderTrainer(TrainerBackend):
             _send(("gather",))
         self.local.gather_and_broadcast(sink)
 
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        if self.world_size > 1:
+            _send(("state_dict",))
+        return self.local.state_dict_hf()
+
     def close(self) -> None:
         if self.world_size > 1:
             _send(("stop",))
@@ -112,6 +117,8 @@ def follow(trainer: TrainerBackend) -> int:
                 steps += 1
             case "gather":
                 trainer.gather_and_broadcast(None)
+            case "state_dict":
+                trainer.state_dict_hf()
             case "stop":
                 trainer.close()
                 return steps

@@ -100,7 +100,7 @@ class Run:
         from pipelinerl_sdk.pipeline.ranks import LeaderTrainer
 
         torch.set_num_threads(self.config.trainer_threads)
-        trainer: TrainerBackend = load_registry().factory("trainer", self.config.trainer_backend)()
+        trainer: TrainerBackend = load_registry().create_trainer(self.config.trainer_backend)
         if dist.is_initialized() and dist.get_world_size() > 1:
             trainer = LeaderTrainer(trainer)
         trainer.init(
@@ -310,7 +310,7 @@ def _follower(config: PipelineConfig) -> int:
     from pipelinerl_sdk.pipeline.ranks import follow
 
     torch.set_num_threads(config.trainer_threads)
-    return follow(load_registry().factory("trainer", config.trainer_backend)())
+    return follow(load_registry().create_trainer(config.trainer_backend))
 
 
 def _spawned_rank(ctx: Any, config_json: str) -> str:

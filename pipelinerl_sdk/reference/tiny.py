@@ -19,15 +19,14 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
+
+from pipelinerl_sdk.hf import load_model
 
 __all__ = [
     "ARCHS",
@@ -246,20 +245,6 @@ def build_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
-
-
-def load_model(
-    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM (SDPA attention, eval mode, on ``device``) and its tokenizer from ``path``.
-
-    ``dtype=None`` keeps the dtype stored in the checkpoint.
-    """
-    torch_dtype: str | torch.dtype = "auto" if dtype is None else _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    model = model.to(device).eval()  # type: ignore[arg-type]
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
 
 
 def param_bytes(model: torch.nn.Module) -> int:

@@ -1,7 +1,7 @@
 """The benchmark anchor: SGLang's own documented weight-update flow, without the SDK.
 
-``pipelinerl bench weight-update --backend sglang`` calls :func:`native_update_anchor` (entry
-point group ``pipelinerl_sdk.bench_anchors``) after its own server is stopped: it starts a plain
+``pipelinerl bench weight-update --backend sglang`` calls :func:`native_update_anchor` (the
+``bench_anchor`` the sglang backend registers) after its own server is stopped: it starts a plain
 ``sglang.launch_server`` on the same model, forms the group through SGLang's
 ``/init_weights_update_group``, and times SGLang's plain sequence per update, as its docs give
 it: ``/begin_weight_update`` -> ``/update_weights_from_distributed`` (every param named, one

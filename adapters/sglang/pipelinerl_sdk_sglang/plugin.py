@@ -35,4 +35,5 @@ def register_backends(registry: BackendRegistry) -> None:
         CAPABILITIES,
         "SGLang 0.5.23 server behind the SDK's routes (gateway process); updates via SGLang's "
         "init_weights_update_group / update_weights_from_distributed (flattened buckets), pause in_place",
+        bench_anchor="pipelinerl_sdk_sglang.anchor:native_update_anchor",  # SGLang's own update flow
     )

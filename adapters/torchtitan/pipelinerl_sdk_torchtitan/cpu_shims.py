@@ -2,8 +2,9 @@
 
 Applied by :func:`apply` before the first ``torchtitan`` import, and only where they are needed: each shim
 checks the condition it works around and does nothing otherwise (a CUDA machine with triton gets none).
-``tests/test_torchtitan_adapter.py`` holds one test per shim that fails when the shim stops working *or*
-becomes unnecessary (a later torchtitan or torch that no longer needs it), so this module only shrinks.
+``tests/test_torchtitan_adapter.py`` (beside this package) holds one test per shim that fails when the shim
+stops working *or* becomes unnecessary (a later torchtitan or torch that no longer needs it), so this module
+only shrinks.
 
 1. ``triton_kernels``: ``torchtitan.models.common`` imports the MinimalAsyncEP kernels module at load
    time, and that module imports ``triton`` (CUDA-only here). Without triton we install a stand-in

@@ -2,9 +2,8 @@
 
 Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend keeps it:
 
-- runs in the default ``torch.distributed`` group the launcher initialised (``run_ranks`` or ``torchrun``);
-  with no group at all, ``init`` creates a private 1-rank gloo group and ``close`` destroys it. The device
-  is CUDA (``LOCAL_RANK``) when the group's backend is NCCL, else CPU (then :mod:`cpu_shims` apply);
+- built on the trainer kit (:mod:`pipelinerl_sdk.kit.trainer`: process group and device, the
+  forward/backward template with its idle pass, step, close); on CPU :mod:`cpu_shims` apply;
 - ``init``: the model is TorchTitan's (:func:`pipelinerl_sdk_torchtitan.models.model_spec`: llama3 or
   qwen3 registry entry sized from the checkpoint's ``config.json``), built on the meta device, sharded
   by the family's own parallelize function (FSDP2 over every rank, ``spmd_backend="partial_dtensor"``),
@@ -38,7 +37,6 @@ divide ``num_key_value_heads``).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -58,14 +56,8 @@ from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed.utils import clip_grad_norm_  # noqa: E402
 from torchtitan.models.common.attention import FusedQKVLinear  # noqa: E402
 
-from pipelinerl_sdk.contracts import (  # noqa: E402
-    Objective,
-    StepMetrics,
-    TokenBatch,
-    TrainerBackend,
-    TrainerSpec,
-    WeightSink,
-)
+from pipelinerl_sdk.contracts import TrainerSpec  # noqa: E402
+from pipelinerl_sdk.kit.trainer import KitTrainer, clip_global_norm  # noqa: E402
 from pipelinerl_sdk.protocol import ParamSpec  # noqa: E402
 from pipelinerl_sdk.weights.tensors import spec_of  # noqa: E402
 from pipelinerl_sdk_torchtitan.capabilities import CAPABILITIES  # noqa: E402
@@ -113,50 +105,33 @@ def titan_token_logprobs(model: torch.nn.Module, input_ids: Sequence[Sequence[in
     return [logp[i, : len(s) - 1] for i, s in enumerate(input_ids)]
 
 
-class TorchTitanTrainer(TrainerBackend):
+class TorchTitanTrainer(KitTrainer):
     """One rank of a TorchTitan trainer (see the module docstring for the contract)."""
 
     capabilities = CAPABILITIES
+    mixed_precision_options = frozenset(_MIXED_PRECISION)
 
     def __init__(self) -> None:
-        self.model: torch.nn.Module | None = None
-        self.optimizer: OptimizersContainer | None = None
+        super().__init__()
         self.adapter: Any = None
-        self._spec: TrainerSpec | None = None
-        self._steps = 0
-        self._pad_id = 0
-        self._own_group = False
-        self._device = torch.device("cpu")
         self._specs: list[ParamSpec] | None = None
 
     # -- setup -----------------------------------------------------------------------------------
 
-    def _require(self) -> tuple[torch.nn.Module, OptimizersContainer, TrainerSpec]:
-        if self.model is None or self.optimizer is None or self._spec is None:
-            raise RuntimeError("call init() first")
-        return self.model, self.optimizer, self._spec
+    def check_spec(self, spec: TrainerSpec) -> None:
+        from transformers import AutoConfig
 
-    def init(self, spec: TrainerSpec) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        if spec.dtype not in self.capabilities.dtypes:
-            raise ValueError(f"dtype: {spec.dtype!r} not supported (supported: {sorted(self.capabilities.dtypes)})")
-        mp = spec.options.get("mixed_precision")
-        if mp not in _MIXED_PRECISION:
-            raise ValueError(f"options.mixed_precision: {mp!r} not supported (use 'bf16' or leave unset)")
+        super().check_spec(spec)
         tp = int(spec.options.get("tensor_parallel", 1))
         n_kv = getattr(AutoConfig.from_pretrained(spec.model), "num_key_value_heads", None)
         if tp > 1 and n_kv is not None and n_kv % tp:
             raise ValueError(f"options.tensor_parallel={tp} must divide num_key_value_heads={n_kv}")
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-            self._own_group = True
-        if dist.get_backend() == "nccl":
-            self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-            torch.cuda.set_device(self._device)
-        torch.manual_seed(spec.seed)
-        world = dist.get_world_size()
 
+    def build_model(self, spec: TrainerSpec) -> Any:
+        from transformers import AutoConfig
+
+        tp = int(spec.options.get("tensor_parallel", 1))
+        mp = spec.options.get("mixed_precision")
         hf_config = AutoConfig.from_pretrained(spec.model)
         mspec = model_spec(hf_config)
         if tp > 1:
@@ -173,7 +148,7 @@ class TorchTitanTrainer(TrainerBackend):
             # lm_head gradient (measured: grad norm 526.44 instead of 526.74 on the tiny model).
             fsdp_reshard_after_forward="always",
         )
-        dims = ParallelDims.from_config(parallelism, world)
+        dims = ParallelDims.from_config(parallelism, dist.get_world_size())
         dims.build_mesh()
         training = TrainingConfig(mixed_precision_param=_MIXED_PRECISION[mp], mixed_precision_reduce="float32")
         with tempfile.TemporaryDirectory() as dump:
@@ -190,18 +165,19 @@ class TorchTitanTrainer(TrainerBackend):
             if isinstance(m, FSDPModule):  # sum, not mean, across ranks; plain SUM (gloo has no PREMUL_SUM)
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
-        model.to_empty(device=self._device)
+        model.to_empty(device=self.device)
         with torch.no_grad():
-            model.init_states(buffer_device=self._device)  # RoPE cache (params are overwritten below)
+            model.init_states(buffer_device=self.device)  # RoPE cache (params are overwritten below)
 
         self.adapter = mspec.state_dict_adapter(mspec.model, None)
+        self._specs = None
         self._load_hf(model, read_hf_checkpoint(spec.model))
         model.train()
+        return model
 
-        tokenizer = AutoTokenizer.from_pretrained(spec.model)
-        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.model = model
-        self.optimizer = OptimizersContainer(
+    def build_optimizer(self, spec: TrainerSpec, params: Sequence[torch.nn.Parameter]) -> OptimizersContainer:
+        """TorchTitan's optimizer container: torch AdamW, one param group, ``for-loop``."""
+        return OptimizersContainer(
             OptimizersContainer.Config(
                 param_groups=[
                     ParamGroupConfig(
@@ -217,11 +193,20 @@ class TorchTitanTrainer(TrainerBackend):
                 ],
                 implementation="for-loop",
             ),
-            model_parts=[model],
+            model_parts=[self.model],
         )
-        self._spec = spec
-        self._steps = 0
-        self._specs = None
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.optimizers[0].param_groups[0]["lr"])
+
+    def clip_gradients(self, params: Sequence[torch.nn.Parameter], max_norm: float | None) -> float:
+        """TorchTitan's ``clip_grad_norm_`` (None: the kit's global norm, no clipping)."""
+        if max_norm is None:
+            return clip_global_norm(params, None)
+        return float(clip_grad_norm_(params, max_norm, foreach=False))
+
+    def logprobs(self, input_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return titan_token_logprobs(self.model, input_ids, self.pad_id)
 
     def _load_hf(self, model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of every parameter from the HF state dict (identical on every rank)."""
@@ -233,7 +218,7 @@ class TorchTitanTrainer(TrainerBackend):
             raise ValueError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
         with torch.no_grad():
             for name, param in model.named_parameters():
-                full = titan_sd.pop(name).to(device=self._device, dtype=param.dtype)
+                full = titan_sd.pop(name).to(device=self.device, dtype=param.dtype)
                 if isinstance(param, DTensor):
                     shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                     param.to_local().copy_(shard.to_local())
@@ -283,75 +268,11 @@ class TorchTitanTrainer(TrainerBackend):
             ]
         return list(self._specs)
 
-    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
-        model, _, _ = self._require()
-        with torch.no_grad():
-            for prefix, unit in self._units(model):
-                hf = self._unit_hf(prefix, unit, True)
-                if sink is not None:
-                    for name, tensor in hf.items():
-                        sink.send(name, tensor)
-                del hf
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One unit at a time: its full params, the fused QKV split, ``to_hf`` of that unit alone."""
+        for prefix, unit in self._units(self.model):
+            yield from self._unit_hf(prefix, unit, True).items()
 
-    def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """Full parameters under HF names on every rank (a collective; for tests and checkpoints)."""
-        model, _, _ = self._require()
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for prefix, unit in self._units(model):
-                out.update({k: v.detach().clone().cpu() for k, v in self._unit_hf(prefix, unit, True).items()})
-        return out
-
-    # -- contract --------------------------------------------------------------------------------
-
-    def _idle_pass(self, model: torch.nn.Module, backward: bool) -> None:
-        """Take part in the collectives of a forward (and backward) with no sequences of our own."""
-        out = model(torch.tensor([[self._pad_id]], device=self._device))
-        if backward:
-            (out.float().sum() * 0.0).backward()
-
-    def forward(self, batch: TokenBatch) -> list[torch.Tensor]:
-        model, _, _ = self._require()
-        with torch.no_grad():
-            if len(batch) == 0:
-                self._idle_pass(model, backward=False)
-                return []
-            return [t.detach().float().cpu() for t in titan_token_logprobs(model, batch.input_ids, self._pad_id)]
-
-    def backward(self, batch: TokenBatch, objective: Objective) -> dict[str, float]:
-        model, _, _ = self._require()
-        if len(batch) == 0:
-            self._idle_pass(model, backward=True)
-            return {"loss": 0.0}
-        logprobs = titan_token_logprobs(model, batch.input_ids, self._pad_id)
-        loss, metrics = objective(logprobs, batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        return {"loss": float(loss.detach()), **metrics}
-
-    def step(self) -> StepMetrics:
-        model, optimizer, spec = self._require()
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # same as the reference: every param steps (Adam moments, decay)
-                p.grad = torch.zeros_like(p)
-        if spec.grad_clip is not None:
-            norm = clip_grad_norm_(params, spec.grad_clip, foreach=False)
-        else:
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=False)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self._steps += 1
-        lr = float(optimizer.optimizers[0].param_groups[0]["lr"])
-        return StepMetrics(step=self._steps, grad_norm=float(norm), lr=lr)
-
-    def close(self) -> None:
-        self.model = None
-        self.optimizer = None
+    def release(self) -> None:
         self.adapter = None
         self._specs = None
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._own_group = False

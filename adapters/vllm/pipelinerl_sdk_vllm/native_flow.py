@@ -105,5 +105,5 @@ class VLLMNativeFlow:
         return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s)
 
 
-#: What ``VLLMInferenceBackend.native_update_flow`` names.
+#: The ``bench_anchor`` the vllm backend registers.
 FLOW = VLLMNativeFlow()

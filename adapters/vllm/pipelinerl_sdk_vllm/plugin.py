@@ -34,4 +34,5 @@ def register_backends(registry: BackendRegistry) -> None:
         CAPABILITIES,
         "vLLM 0.32 OpenAI server + the SDK's routes; updates via vLLM's weight-transfer engine "
         "(pause keep, start/update/finish), staged and direct receive",
+        bench_anchor="pipelinerl_sdk_vllm.native_flow:FLOW",  # vLLM's own documented update flow
     )

@@ -47,7 +47,17 @@ pytestmark = [
     ),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+#: The suite as a third party runs it: one test module subclassing the standard checks.
+CONFORMANCE_MODULE = """
+from pipelinerl_sdk.conformance.cross import CrossCheckTests
+from pipelinerl_sdk.conformance.trainer import TrainerContractTests
+
+
+class TestTrainer(TrainerContractTests): ...
+
+
+class TestCross(CrossCheckTests): ...
+"""
 ARCHS = ("qwen2", "qwen3", "llama")
 TOL = 1e-6
 SEQS: list[list[int]] = [[3 + (7 * i + 3 * j) % 500 for j in range(5 + (i % 4) * 3)] for i in range(8)]
@@ -334,17 +344,19 @@ def reference_server(request: pytest.FixtureRequest, models: dict[str, Path]) ->
 def test_conformance_suite_on_qwen3_and_llama(
     reference_server: tuple[str, Any], models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """``pytest conformance/test_trainer.py conformance/test_cross.py --backend=torchtitan`` against a
-    reference server serving the same checkpoint: every check passes, none is skipped."""
+    """The trainer and cross checks (a third party's test module, :data:`CONFORMANCE_MODULE`) with
+    ``--backend=torchtitan`` against a reference server serving the same checkpoint: every check
+    passes, none is skipped."""
     arch, proc = reference_server
     report = tmp_path / "report.xml"
+    (tmp_path / "test_conformance.py").write_text(CONFORMANCE_MODULE)
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
-        "conformance/test_trainer.py", "conformance/test_cross.py",
+        "test_conformance.py",
         "--backend=torchtitan", f"--backend={proc.url}", f"--control-token={proc.control_token}",
         f"--conformance-model={models[arch]}", f"--junitxml={report}",
     ]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     import xml.etree.ElementTree as ET
 

@@ -130,8 +130,7 @@ def _reference(model_dir: Path, spec: TrainerSpec, steps: int) -> tuple[dict[str
 
 
 def _plain_adamw(model_dir: Path, spec: TrainerSpec, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    from pipelinerl_sdk.reference.tiny import load_model
-    from pipelinerl_sdk.reference.trainer import token_logprobs
+    from pipelinerl_sdk.hf import load_model, token_logprobs
 
     model, tok = load_model(model_dir, dtype="float32")
     model.train()
@@ -157,14 +156,14 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def spec(tiny_model: Path) -> TrainerSpec:
+def spec(conformance_model: Path) -> TrainerSpec:
     # AdamW normalises each gradient element: an element whose true gradient is ~0 (rounding noise,
     # |g| ~ 1e-8) moves by up to ~lr with a sign set by the summation order. With eps 1e-8 and lr
     # 1e-3 plain torch itself differs by ~6e-5 between one full batch and four micro-batches (and
     # ZeRO-3 by 2.8e-6 at lr 1e-5, on one element with g = -2.2e-8). lr 1e-5 and eps 1e-6 keep
     # such elements damped, so 1e-6 tests the math, not the noise. Clipping at 300 is active
     # (norm ~500).
-    return TrainerSpec(model=str(tiny_model), lr=1e-5, eps=1e-6, weight_decay=0.01, grad_clip=300.0, seed=0)
+    return TrainerSpec(model=str(conformance_model), lr=1e-5, eps=1e-6, weight_decay=0.01, grad_clip=300.0, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -206,11 +205,11 @@ def test_no_jit_build(runs: dict[Any, dict[str, Any]]) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("backend", STAGES)
 def test_gathered_weights_equal_source(
-    runs: dict[Any, dict[str, Any]], tiny_model: Path, backend: str, world_size: int
+    runs: dict[Any, dict[str, Any]], conformance_model: Path, backend: str, world_size: int
 ) -> None:
     from safetensors.torch import load_file
 
-    source = load_file(str(tiny_model / "model.safetensors"))
+    source = load_file(str(conformance_model / "model.safetensors"))
     run = runs[(backend, world_size)]
     assert _max_diff(run["initial"], source) == 0.0
     assert run["order"] == [n for n, _, _ in run["specs"]]
@@ -222,8 +221,7 @@ def test_gathered_weights_equal_source(
 def test_steps_equal_plain_torch_adamw(
     runs: dict[Any, dict[str, Any]], spec: TrainerSpec, backend: str, world_size: int
 ) -> None:
-    from pipelinerl_sdk.reference.tiny import load_model
-    from pipelinerl_sdk.reference.trainer import token_logprobs
+    from pipelinerl_sdk.hf import load_model, token_logprobs
 
     want, norms = _reference(Path(spec.model), spec, steps=2)
     run = runs[(backend, world_size)]
@@ -261,7 +259,7 @@ def test_generic_backend_takes_stage_from_options(runs: dict[Any, dict[str, Any]
 def test_gathered_names_load_strictly_into_hf_model(
     runs: dict[Any, dict[str, Any]], spec: TrainerSpec, backend: str
 ) -> None:
-    from pipelinerl_sdk.reference.tiny import load_model
+    from pipelinerl_sdk.hf import load_model
 
     model, _ = load_model(Path(spec.model), dtype="float32")
     model.load_state_dict(runs[(backend, 2)]["final"], strict=True)

@@ -1,0 +1,1 @@
+"""An example third-party trainer adapter: torch DDP on pipelinerl-sdk's trainer kit."""

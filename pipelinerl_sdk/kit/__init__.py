@@ -1,0 +1,1 @@
+"""Adapter kits: what every engine or trainer adapter would otherwise repeat (submodules import torch)."""

@@ -1,0 +1,314 @@
+"""The trainer kit: what every trainer adapter would otherwise repeat, as a template to subclass.
+
+:class:`KitTrainer` implements the whole :class:`~pipelinerl_sdk.contracts.TrainerBackend`
+contract around a few engine-specific hooks. An adapter writes :meth:`~KitTrainer.build_model`
+(load the HF checkpoint, shard or wrap it) and overrides only the hooks where its engine differs::
+
+    class MyTrainer(KitTrainer):
+        capabilities = CAPABILITIES
+
+        def build_model(self, spec: TrainerSpec) -> torch.nn.Module:
+            model, _ = load_model(spec.model, dtype=spec.dtype, device=self.device)
+            return wrap_with_my_engine(model)
+
+What the kit owns, in the order ``init`` runs it:
+
+- **the process group** (:meth:`~KitTrainer.join_group`). The *launcher* creates the trainer's
+  default ``torch.distributed`` group before ``init``: ``torchrun`` plus
+  :func:`pipelinerl_sdk.trainer_group.init_from_env`, or :func:`~pipelinerl_sdk.trainer_group.run_ranks`
+  (which calls it in every rank). The trainer never creates a group of several ranks itself. With no
+  group at all, a trainer whose engine needs one (``needs_process_group``, the default) creates a
+  private 1-rank gloo group and ``close`` destroys it; a group made by someone else is never
+  destroyed. The device is ``cuda:LOCAL_RANK`` when the group's backend is NCCL, else the CPU. This
+  group is never the weight-sync group of :mod:`pipelinerl_sdk.weights.group`;
+- the spec's checks (dtype against the capabilities, ``options["mixed_precision"]`` against
+  ``mixed_precision_options``), the seed, the model (:meth:`~KitTrainer.build_model`), the pad id
+  (from the checkpoint's tokenizer), the optimizer (:meth:`~KitTrainer.build_optimizer`: torch
+  AdamW with the spec's hyper-parameters), then :meth:`~KitTrainer.finish_init` (an engine that
+  wraps model and optimizer together, such as DeepSpeed, does it there);
+- **forward and backward**: score with :meth:`~KitTrainer.logprobs`, apply the objective, run
+  :meth:`~KitTrainer.backward_loss`. A rank without sequences (an empty batch) still runs an
+  *idle pass* (a one-sequence forward, and a zero loss backward in ``backward``), so that it takes
+  part in every collective the engine runs inside forward and backward (FSDP's all-gathers and
+  reduce-scatters, ZeRO-3's gathers): without it the other ranks hang;
+- **step**: missing gradients become zeros (every param steps: Adam moments, decay), then
+  :meth:`~KitTrainer.reduce_gradients` (for engines that do not reduce in backward), then the
+  clipping hook :meth:`~KitTrainer.clip_gradients` (default: the global 2-norm over every rank's
+  shards, a DTensor norm made full, then clip to exactly ``spec.grad_clip``; None: no clipping,
+  the norm is still reported), then the optimizer step and zeroed gradients;
+- **weights out**: :meth:`~KitTrainer.full_params` yields full tensors under HF names in
+  ``param_specs()`` order, one gather unit at a time; ``gather_and_broadcast`` hands them to the
+  sink on rank 0 (with :func:`~pipelinerl_sdk.contracts.lend` when ``lends_params``) and
+  ``state_dict_hf`` copies them to CPU on every rank;
+- **close**: :meth:`~KitTrainer.release` (the engine's own teardown), then drop model and optimizer,
+  then destroy the private group if ``init`` created one.
+
+**Loss over ranks.** The contract *sums* the objective over micro-batches and ranks: after
+``backward`` on every rank, the accumulated gradient is the gradient of the sum. Data-parallel
+engines *average* gradients over ranks instead (torch DDP's all-reduce, DeepSpeed's, FSDP's default
+divide factor): an adapter on such an engine must undo it, e.g. multiply the loss by the world
+size in :meth:`~KitTrainer.backward_loss` (DeepSpeed adapter) or set the engine's divide factor to 1
+(FSDP adapter). ``test_world_size_2_step_equals_world_size_1`` of the conformance suite catches a
+trainer that averages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from pipelinerl_sdk.contracts import (
+    Objective,
+    StepMetrics,
+    TokenBatch,
+    TrainerBackend,
+    TrainerSpec,
+    WeightSink,
+    lend,
+)
+from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.weights.tensors import hf_name, spec_of
+
+__all__ = ["KitTrainer", "adamw", "clip_global_norm", "full_tensor"]
+
+
+def adamw(spec: TrainerSpec, params: Sequence[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """torch AdamW with the spec's lr, betas, eps and weight decay (the for-loop implementation:
+    the same arithmetic on every engine, so trainers agree to float32 rounding)."""
+    return torch.optim.AdamW(
+        list(params), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=False
+    )
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The full value of a parameter: a DTensor is all-gathered (a collective: every rank calls
+    it), a plain tensor is returned detached."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def clip_global_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
+    """The 2-norm of all gradients of ``params`` over every rank's shards (a DTensor norm is made
+    full: a collective), and, unless ``max_norm`` is None, the gradients scaled so that the norm is
+    at most ``max_norm``. Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+    return float(norm)
+
+
+class KitTrainer(TrainerBackend):
+    """A trainer backend built from hooks (see the module docstring for what the kit owns).
+
+    Required: :meth:`build_model`. Everything else has a default for an HF model that takes
+    ``input_ids``/``attention_mask`` and whose ``named_parameters()`` are the weights (plain tensors
+    or DTensors). Attributes an adapter may read in its hooks: ``spec``, ``device``, ``pad_id``,
+    ``model`` (what :meth:`build_model` returned, or what :meth:`finish_init` replaced it with) and
+    ``optimizer``."""
+
+    #: Create a private 1-rank gloo group when the launcher made none (engines whose sharding or
+    #: wrapping needs ``torch.distributed``). False: run without a group as world size 1.
+    needs_process_group: ClassVar[bool] = True
+    #: Values of ``TrainerSpec.options["mixed_precision"]`` this trainer implements (None: unset).
+    mixed_precision_options: ClassVar[frozenset[str | None]] = frozenset({None, "no"})
+    #: Full params persist unchanged between steps: hand them to the sink with ``lend`` (no copy).
+    lends_params: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.spec: TrainerSpec | None = None
+        self.device = torch.device("cpu")
+        self.pad_id = 0
+        self.steps = 0
+        self._own_group = False
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def build_model(self, spec: TrainerSpec) -> Any:
+        """Load the HF checkpoint ``spec.model`` (identical on every rank) onto ``self.device``,
+        shard or wrap it as the engine does, and return what :meth:`logprobs` runs. Runs after the
+        group is joined and the seed set."""
+        raise NotImplementedError(f"{type(self).__name__}: implement build_model(spec)")
+
+    def build_optimizer(self, spec: TrainerSpec, params: Sequence[torch.nn.Parameter]) -> Any:
+        """The optimizer over the trainable ``params``; default :func:`adamw`."""
+        return adamw(spec, params)
+
+    def finish_init(self, spec: TrainerSpec) -> None:
+        """Last step of ``init``, with ``model`` and ``optimizer`` built (default: nothing)."""
+
+    def hf_module(self) -> torch.nn.Module:
+        """The module whose ``named_parameters()`` are the weights (wrapper prefixes are dropped
+        from the names); default ``model``."""
+        module: torch.nn.Module = self.model
+        return module
+
+    def logprobs(self, input_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per sequence, the float32 logprob of every token after the first (see
+        :func:`pipelinerl_sdk.hf.token_logprobs`, the default); keeps the graph when grad is on."""
+        from pipelinerl_sdk.hf import token_logprobs
+
+        return token_logprobs(self.model, input_ids, self.pad_id, self.device)
+
+    def backward_loss(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (default ``loss.backward()``). An engine that
+        averages gradients over ranks must scale here (see "Loss over ranks")."""
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Sum gradients over ranks before clipping; default nothing (the engine reduced them in
+        backward, as FSDP does)."""
+
+    def clip_gradients(self, params: Sequence[torch.nn.Parameter], max_norm: float | None) -> float:
+        """The clipping hook: returns the global grad norm (before clipping) and clips to
+        ``max_norm`` unless None; default :func:`clip_global_norm`."""
+        return clip_global_norm(params, max_norm)
+
+    def optimizer_step(self) -> float:
+        """One optimizer step on the accumulated gradients, then zeroed gradients; returns the grad
+        norm. The default fills missing gradients with zeros, reduces, clips, steps. An engine that
+        owns the whole step (DeepSpeed) overrides this."""
+        assert self.spec is not None
+        params = self.trainable_params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.reduce_gradients(params)
+        norm = self.clip_gradients(params, self.spec.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def current_lr(self) -> float:
+        """The learning rate the last step used (reported by ``step``)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF names, in ``param_specs()`` order, gathered one unit at a time
+        (every rank iterates to the end: the gathers are collectives). Default: one param at a
+        time (:func:`full_tensor`)."""
+        for name, p in self.hf_module().named_parameters():
+            yield hf_name(name), full_tensor(p)
+
+    def release(self) -> None:
+        """The engine's own teardown, first thing in ``close`` (default: nothing)."""
+
+    def destroy_group(self) -> None:
+        """Destroy the private group ``init`` created (default ``dist.destroy_process_group``)."""
+        dist.destroy_process_group()
+
+    # -- the contract ----------------------------------------------------------------------------
+
+    def _require(self) -> tuple[Any, Any, TrainerSpec]:
+        if self.model is None or self.optimizer is None or self.spec is None:
+            raise RuntimeError("call init() first")
+        return self.model, self.optimizer, self.spec
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the default group (1 without one)."""
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.hf_module().parameters() if p.requires_grad]
+
+    def join_group(self) -> None:
+        """Use the launcher's default group, or create the private 1-rank one (see the module
+        docstring); pick the device from the group's backend."""
+        if not dist.is_initialized() and self.needs_process_group:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+            self._own_group = True
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+            torch.cuda.set_device(self.device)
+
+    def check_spec(self, spec: TrainerSpec) -> None:
+        """ValueError naming the field for a spec this trainer cannot honour."""
+        if spec.dtype not in self.capabilities.dtypes:
+            raise ValueError(f"dtype: {spec.dtype!r} not supported (supported: {sorted(self.capabilities.dtypes)})")
+        mp = spec.options.get("mixed_precision")
+        if mp not in self.mixed_precision_options:
+            known = sorted(str(m) for m in self.mixed_precision_options if m is not None)
+            raise ValueError(f"options.mixed_precision: {mp!r} not supported (use one of {known} or leave unset)")
+
+    def init(self, spec: TrainerSpec) -> None:
+        self.check_spec(spec)
+        self.join_group()
+        torch.manual_seed(spec.seed)
+        self.spec, self.steps = spec, 0
+        self.model = self.build_model(spec)
+        from transformers import AutoTokenizer
+
+        from pipelinerl_sdk.hf import pad_token_id
+
+        self.pad_id = pad_token_id(AutoTokenizer.from_pretrained(spec.model))
+        self.optimizer = self.build_optimizer(spec, self.trainable_params())
+        self.finish_init(spec)
+
+    def param_specs(self) -> list[ParamSpec]:
+        self._require()
+        return [spec_of(hf_name(n), p) for n, p in self.hf_module().named_parameters()]
+
+    def _idle_pass(self, backward: bool) -> None:
+        """Take part in the collectives of a forward (and backward) with no sequences of our own."""
+        out = self.logprobs([[self.pad_id, self.pad_id]])
+        if backward:
+            self.backward_loss(out[0].sum() * 0.0)
+
+    def forward(self, batch: TokenBatch) -> list[torch.Tensor]:
+        self._require()
+        with torch.no_grad():
+            if len(batch) == 0:
+                self._idle_pass(backward=False)
+                return []
+            return [t.detach().float().cpu() for t in self.logprobs(batch.input_ids)]
+
+    def backward(self, batch: TokenBatch, objective: Objective) -> dict[str, float]:
+        self._require()
+        if len(batch) == 0:
+            self._idle_pass(backward=True)
+            return {"loss": 0.0}
+        loss, metrics = objective(self.logprobs(batch.input_ids), batch)
+        self.backward_loss(loss)
+        return {"loss": float(loss.detach()), **metrics}
+
+    def step(self) -> StepMetrics:
+        self._require()
+        norm = self.optimizer_step()
+        self.steps += 1
+        return StepMetrics(step=self.steps, grad_norm=norm, lr=self.current_lr())
+
+    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+        self._require()
+        with torch.no_grad():
+            for name, tensor in self.full_params():
+                if sink is not None:
+                    if self.lends_params:
+                        lend(sink, name, tensor)
+                    else:
+                        sink.send(name, tensor)
+                del tensor
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        self._require()
+        with torch.no_grad():
+            return {name: t.detach().clone().cpu() for name, t in self.full_params()}
+
+    def close(self) -> None:
+        try:
+            if self.model is not None:
+                self.release()
+        finally:
+            self.model = None
+            self.optimizer = None
+            if self._own_group and dist.is_initialized():
+                self.destroy_group()
+            self._own_group = False
