@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         bind_socket(args.host, args.port).close()
     backend = registry.create_inference(args.backend, config)
-    from pipelinerl_sdk.inference_kit.serve import serve
+    from pipelinerl_sdk.kit.inference.serve import serve
 
     serve(backend, config)
     return 0

@@ -136,7 +136,7 @@ class InferenceBackend(ABC):
     Errors answer through one table (``pipelinerl_sdk.http.server.ERROR_STATUS``): raise
     :class:`~pipelinerl_sdk.errors.InvalidRequest` / ``PromptTooLong`` (400, naming the field) for
     a request you cannot serve; any other exception is a JSON 500, never a plain-text one.
-    :mod:`pipelinerl_sdk.inference_kit` implements everything here that is not engine-specific.
+    :mod:`pipelinerl_sdk.kit.inference` implements everything here that is not engine-specific.
     """
 
     #: The capabilities the backend registered (one constant: the registry checks they agree).
@@ -219,10 +219,10 @@ class InferenceBackend(ABC):
 class ServesItself(Protocol):
     """An inference backend whose engine owns its HTTP server (vLLM) defines ``serve``: serve
     the contract (the SDK's router and error handlers on the engine's app; see
-    :func:`pipelinerl_sdk.inference_kit.serve.install_contract`) until SIGTERM/SIGINT, writing
+    :func:`pipelinerl_sdk.kit.inference.serve.install_contract`) until SIGTERM/SIGINT, writing
     ``config.ready_file`` once it answers. Any other backend is served by the SDK's own server.
     How a backend is served is the launcher's business
-    (:func:`pipelinerl_sdk.inference_kit.serve.serve`), not this contract's."""
+    (:func:`pipelinerl_sdk.kit.inference.serve.serve`), not this contract's."""
 
     def serve(self, config: ServeConfig) -> None: ...
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PromptTooLong, UpdateAborted
-from pipelinerl_sdk.inference_kit.chat import prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import prepare_chat, versions_from_spans
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -212,7 +212,7 @@ ENGINE_APP = textwrap.dedent(
     import sys
     from fastapi import FastAPI
     from pipelinerl_sdk.contracts import ServeConfig
-    from pipelinerl_sdk.inference_kit.serve import run
+    from pipelinerl_sdk.kit.inference.serve import run
     from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
 
     class Crashes(ReferenceInferenceBackend):
@@ -239,7 +239,7 @@ ENGINE_APP = textwrap.dedent(
 
 
 def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_path: Path, tiny_model: Path) -> None:
-    """``inference_kit.serve.run`` on an app of the engine's own: port 0, the ready file, the
+    """``kit.inference.serve.run`` on an app of the engine's own: port 0, the ready file, the
     engine's routes kept, the SDK's routes in front, the backend started by the lifespan, typed
     errors as 400 naming the field, an unexpected exception as a JSON 500, SIGTERM stops it."""
     ready = tmp_path / "ready.json"

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contracts", ("pipelinerl_sdk.contracts",)),
     ("weights", ("pipelinerl_sdk.weights",)),
     ("http", ("pipelinerl_sdk.http",)),
-    ("kits", ("pipelinerl_sdk.inference_kit", "pipelinerl_sdk.logprobs")),
+    ("kits", ("pipelinerl_sdk.kit", "pipelinerl_sdk.hf", "pipelinerl_sdk.logprobs")),
 )
 TOP = len(LAYERS)
 
@@ -97,10 +97,10 @@ def test_the_core_imports_only_downwards() -> None:
     [
         ("pipelinerl_sdk.contracts", "from pipelinerl_sdk.http.server import build_router", "contracts"),
         ("pipelinerl_sdk.weights.publisher", "from pipelinerl_sdk.http.client import InferenceClient", "weights"),
-        ("pipelinerl_sdk.weights.receive", "import pipelinerl_sdk.inference_kit.update", "weights"),
-        ("pipelinerl_sdk.http.server", "from ..inference_kit import serve", "http"),
+        ("pipelinerl_sdk.weights.receive", "import pipelinerl_sdk.kit.inference.update", "weights"),
+        ("pipelinerl_sdk.http.server", "from ..kit.inference import serve", "http"),
         ("pipelinerl_sdk.protocol", "from pipelinerl_sdk import contracts", "protocol"),
-        ("pipelinerl_sdk.inference_kit.chat", "from pipelinerl_sdk.reference.engine import SamplingParams", "kits"),
+        ("pipelinerl_sdk.kit.inference.chat", "from pipelinerl_sdk.reference.engine import SamplingParams", "kits"),
     ],
 )
 def test_a_wrong_way_import_is_reported(module: str, line: str, wrong: str) -> None:

@@ -15,7 +15,7 @@ At most one control operation runs at a time; a second is refused with 409, neve
 
 Every error is a JSON body of the protocol's schema (``ErrorBody``): SDK errors map to a status
 through :data:`ERROR_STATUS`, anything unexpected is a 500 ``internal_error``. Serving (binding,
-lifespan, signals, the ready file) is :mod:`pipelinerl_sdk.inference_kit.serve`'s business.
+lifespan, signals, the ready file) is :mod:`pipelinerl_sdk.kit.inference.serve`'s business.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The reference inference backend: transformers + the continuous-batching engine, one receiving
 worker (the server process itself), both receive modes, on the inference kit.
 
-Update path (:func:`pipelinerl_sdk.inference_kit.update.local_steps`): the broadcast lands in the
+Update path (:func:`pipelinerl_sdk.kit.inference.update.local_steps`): the broadcast lands in the
 spare buffer of a :class:`~pipelinerl_sdk.weights.swap.DoubleBuffer` on a worker thread; the engine
 is held only while the params are re-pointed at it (``staged``), or, once the trainer said ``go``,
 for the whole receive (``direct``). Either way nothing touches the model until every byte has
@@ -16,8 +16,8 @@ import torch
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
-from pipelinerl_sdk.inference_kit import KitBackend, UpdateSteps, local_steps
-from pipelinerl_sdk.inference_kit.chat import assemble_choice, assemble_response, prepare_chat
+from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps, local_steps
+from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model

@@ -7,7 +7,7 @@ hold zero K/V and are masked out by a 2D attention mask; positions are passed ex
 rebuilt only when the batch composition changes.
 
 In-flight weight updates: ``async with engine.paused()`` parks the loop between two iterations (no
-forward running; the SDK's :class:`~pipelinerl_sdk.inference_kit.gate.StepGate`). The caller may
+forward running; the SDK's :class:`~pipelinerl_sdk.kit.inference.gate.StepGate`). The caller may
 then change the weights in place and ``set_version``; on exit the
 loop resumes. Running requests keep their KV cache (computed by the old weights) and continue with
 the new weights; every generated token records the weight version of the forward that produced it.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from pipelinerl_sdk.inference_kit.gate import PauseHandle, StepGate
+from pipelinerl_sdk.kit.inference.gate import PauseHandle, StepGate
 
 __all__ = [
     "ContinuousBatchingEngine",

@@ -17,7 +17,7 @@
   one with ``weight_version`` -> ``end_weight_update`` -> ``continue_generation``. Any failure:
   the snapshot is restored before ``end_weight_update`` and generation continues on the old
   weights and version. These are the steps of the kit's
-  :func:`~pipelinerl_sdk.inference_kit.update.run_update`, which orders them and normalises errors.
+  :func:`~pipelinerl_sdk.kit.inference.update.run_update`, which orders them and normalises errors.
 
 Everything not specific to SGLang (identity, options, bookkeeping, update ordering and errors, chat
 preparation and response assembly, serving) is the SDK's inference kit.
@@ -36,8 +36,8 @@ from typing import Any
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
-from pipelinerl_sdk.inference_kit import KitBackend, UpdateSteps
-from pipelinerl_sdk.inference_kit.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
+from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
     SGLangError,

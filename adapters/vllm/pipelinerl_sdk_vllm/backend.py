@@ -10,7 +10,7 @@ router mounted in front of it.
 - Generation: ``AsyncLLM.generate`` on token ids; per-token weight versions come from vLLM's own
   ``CompletionOutput.weight_versions`` spans (the engine core stamps every step's output with its
   current version, set by ``finish_weight_update(weight_version)``).
-- Updates: the kit's :func:`~pipelinerl_sdk.inference_kit.update.run_update` over vLLM's
+- Updates: the kit's :func:`~pipelinerl_sdk.kit.inference.update.run_update` over vLLM's
   weight-transfer machinery with the SDK's engine (:mod:`.transfer`): arm =
   ``start_weight_update`` + ``update_weights(op=receive)`` (returns at once; the worker waits for
   the trainer's ``go``, then receives on a background thread); go and receive = poll the workers'
@@ -35,8 +35,8 @@ from typing import Any, Literal
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
-from pipelinerl_sdk.inference_kit import KitBackend, UpdateSteps
-from pipelinerl_sdk.inference_kit.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
+from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
 from pipelinerl_sdk_vllm.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_vllm")

@@ -2,7 +2,7 @@
 
 What ``vllm serve`` does (``vllm.entrypoints.launchers.api_server.entry.build_and_serve``), with
 one step added between building vLLM's app and serving it: the kit's
-:func:`~pipelinerl_sdk.inference_kit.serve.install_contract` mounts the SDK's router in front of
+:func:`~pipelinerl_sdk.kit.inference.serve.install_contract` mounts the SDK's router in front of
 vLLM's routes (replacing those of the same path and method, the rule vLLM applies to its
 ``vllm.endpoint_plugins``) with the SDK's error handlers; the kit's ``announce`` writes the ready
 file once vLLM's uvicorn answers.
@@ -121,7 +121,7 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http
 
-    from pipelinerl_sdk.inference_kit.serve import install_contract
+    from pipelinerl_sdk.kit.inference.serve import install_contract
 
     async with build_async_engine_client(args) as engine:
         backend._engine = engine
@@ -147,7 +147,7 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
 
 
 async def _announce(app: FastAPI, config: ServeConfig, port: int) -> None:
-    from pipelinerl_sdk.inference_kit.serve import announce
+    from pipelinerl_sdk.kit.inference.serve import announce
 
     while True:
         server = getattr(app.state, "server", None)

@@ -13,21 +13,21 @@
 - :mod:`~.serve`: serving the SDK's app or an engine-owned FastAPI app (router, error handlers,
   port 0, lifespan, SIGTERM, ready file).
 
-Submodules import what they need lazily enough that ``import pipelinerl_sdk.inference_kit``
+Submodules import what they need lazily enough that ``import pipelinerl_sdk.kit.inference``
 imports no torch and no engine; :mod:`~.serve` imports FastAPI.
 """
 
-from pipelinerl_sdk.inference_kit.backend import KitBackend
-from pipelinerl_sdk.inference_kit.book import GroupBook
-from pipelinerl_sdk.inference_kit.chat import (
+from pipelinerl_sdk.kit.inference.backend import KitBackend
+from pipelinerl_sdk.kit.inference.book import GroupBook
+from pipelinerl_sdk.kit.inference.chat import (
     ChatPlan,
     assemble_choice,
     assemble_response,
     prepare_chat,
     versions_from_spans,
 )
-from pipelinerl_sdk.inference_kit.gate import PauseHandle, StepGate
-from pipelinerl_sdk.inference_kit.update import UpdateSteps, local_steps, normalise_update_error, run_update
+from pipelinerl_sdk.kit.inference.gate import PauseHandle, StepGate
+from pipelinerl_sdk.kit.inference.update import UpdateSteps, local_steps, normalise_update_error, run_update
 
 __all__ = [
     "ChatPlan",

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pipelinerl_sdk.contracts import UpdateReport
 from pipelinerl_sdk.errors import GroupError, UpdateFailed
-from pipelinerl_sdk.inference_kit.book import GroupBook
+from pipelinerl_sdk.kit.inference.book import GroupBook
 from pipelinerl_sdk.protocol import ReceiveMode, WeightUpdateRequest, update_key
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ async def run_update(
 
 class Gate(Protocol):
     """What :func:`local_steps` needs of an engine loop: hold it between steps, tag its version
-    (:class:`~pipelinerl_sdk.inference_kit.gate.StepGate`, or an engine that wraps one)."""
+    (:class:`~pipelinerl_sdk.kit.inference.gate.StepGate`, or an engine that wraps one)."""
 
     def paused(self) -> AbstractAsyncContextManager[Any]: ...
 

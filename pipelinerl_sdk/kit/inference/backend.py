@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, PluginError
-from pipelinerl_sdk.inference_kit.book import GroupBook
-from pipelinerl_sdk.inference_kit.update import UpdateSteps, run_update
+from pipelinerl_sdk.kit.inference.book import GroupBook
+from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSpec, ReceiveMode, WeightUpdateRequest
 
 
@@ -22,15 +22,15 @@ class KitBackend(InferenceBackend):
     Subclasses set :attr:`backend_name` (the registered name), :attr:`OPTIONS` (``--option``
     names and their help) and ``capabilities``, fill :attr:`specs` and :attr:`workers` (in the
     constructor or ``start``), and implement ``start``/``stop``, ``init_process_group`` (join,
-    then :meth:`GroupBook.join <pipelinerl_sdk.inference_kit.book.GroupBook.join>`),
+    then :meth:`GroupBook.join <pipelinerl_sdk.kit.inference.book.GroupBook.join>`),
     :meth:`update_steps`,
-    ``probe_broadcast`` and ``chat_completion`` (with :mod:`pipelinerl_sdk.inference_kit.chat`).
+    ``probe_broadcast`` and ``chat_completion`` (with :mod:`pipelinerl_sdk.kit.inference.chat`).
 
     The constructor checks what every server refuses before loading anything: unknown options,
     a model directory without ``config.json``, a dtype or receive mode outside the capabilities
     (ValueError/FileNotFoundError naming it). :attr:`version` and :meth:`group_state` come from
     :attr:`book`; ``update_weights`` runs :meth:`update_steps` through
-    :func:`~pipelinerl_sdk.inference_kit.update.run_update` (ordering, pause, abandon on failure,
+    :func:`~pipelinerl_sdk.kit.inference.update.run_update` (ordering, pause, abandon on failure,
     error normalisation, the report)."""
 
     backend_name: ClassVar[str]
