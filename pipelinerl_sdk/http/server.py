@@ -1,9 +1,11 @@
 """The inference contract as one FastAPI router any engine can mount, and a uvicorn runner.
 
 Routes (control routes need ``Authorization: Bearer <control token>``; 401 without it, 403 with
-a wrong one):
+a wrong one; every token is checked before the body is read):
 
-- ``GET /health``, ``GET /info`` (read-only, open);
+- ``GET /health`` (open: status and weight version only);
+- ``GET /info``, ``GET /openapi.json`` (read-only; the API key when one is set, or the control
+  token);
 - ``POST /init_process_group`` (control);
 - ``POST /request_weight_update`` (control): validated first (4xx with a message, nothing
   received); then ``200`` with an NDJSON stream: ``accepted`` once the receive is armed, then
@@ -11,12 +13,15 @@ a wrong one):
 - ``POST /probe_broadcast`` (control): one flat broadcast, for link checks and benchmarks;
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured).
 
-At most one control operation runs at a time; a second is refused with 409, never queued.
+At most one control operation runs at a time; a second is refused with 409, never queued. One
+exception: ``/init_process_group`` ends an update that still waits for its (replaced) trainer's
+decision, when the backend can (``cancel_waiting_update``), instead of waiting for its timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -24,15 +29,17 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from pathlib import PurePath
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 
-from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, capabilities_to_dict
+from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, capabilities_to_dict, check_group_id
 from pipelinerl_sdk.errors import GroupError, PipelineRLError, UpdateRejected
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
@@ -41,6 +48,7 @@ from pipelinerl_sdk.protocol import (
     ServerInfo,
     UpdateEvent,
     WeightUpdateRequest,
+    parse_init_method,
 )
 
 log = logging.getLogger("pipelinerl_sdk.server")
@@ -58,17 +66,57 @@ def error_response(status: int, message: str, *, kind: str, field: str | None = 
     return JSONResponse({"error": {"type": kind, "message": message, "field": field}}, status_code=status)
 
 
-def _bearer_guard(token: str | None, what: str) -> Callable[[Request], Awaitable[None]]:
+Guard = Callable[[Request], Awaitable[None]]
+
+
+def _bearer_guard(tokens: tuple[str, ...], what: str) -> Guard:
+    """Accept any of ``tokens`` (none: open)."""
+
     async def guard(request: Request) -> None:
-        if token is None:
+        if not tokens:
             return
         header = request.headers.get("authorization", "")
         if not header.lower().startswith("bearer "):
             raise HTTPError(401, f"missing bearer token for {what}", kind="authentication_error")
-        if not secrets.compare_digest(header[7:].strip().encode(), token.encode()):
+        given = header[7:].strip().encode()
+        if not any([secrets.compare_digest(given, t.encode()) for t in tokens]):  # every one compared
             raise HTTPError(403, f"wrong bearer token for {what}", kind="permission_error")
 
     return guard
+
+
+def _guarded_route(guards: dict[str, Guard]) -> type[APIRoute]:
+    """A route class that runs its path's guard *before* FastAPI reads and parses the body (a
+    dependency runs after): an unauthenticated client gets its 401 without sending the body."""
+
+    class GuardedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            guard = guards[self.path]
+
+            async def guarded(request: Request) -> Response:
+                await guard(request)
+                return await handler(request)
+
+            return guarded
+
+    return GuardedRoute
+
+
+def trainer_host_allowed(init_method: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a server may join a store at ``init_method``: loopback, or a host in ``allowed``."""
+    host, _ = parse_init_method(init_method)
+    if host.lower() == "localhost" or host in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def served_model_name(model: str) -> str:
+    """The name a server shows for its model: the last component of a path, never the path."""
+    return PurePath(model).name or model
 
 
 class _ControlSlot:
@@ -76,6 +124,8 @@ class _ControlSlot:
 
     def __init__(self) -> None:
         self.busy: str | None = None
+        #: The update holding the slot, if one does.
+        self.update: asyncio.Task[Any] | None = None
 
     def take(self, what: str) -> None:
         if self.busy is not None:
@@ -87,30 +137,49 @@ class _ControlSlot:
         self.busy = what
 
     def release(self) -> None:
-        self.busy = None
+        self.busy, self.update = None, None
 
 
-def build_router(backend: InferenceBackend, *, control_token: str, api_key: str | None) -> APIRouter:
+def build_router(
+    backend: InferenceBackend, *, control_token: str, api_key: str | None, trainer_hosts: tuple[str, ...] = ()
+) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
-    from ``api_key``."""
+    from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only."""
     if not control_token:
         raise ValueError("control_token must be set: control routes are never open")
     if api_key is not None and secrets.compare_digest(control_token, api_key):
         raise ValueError("control_token must differ from the OpenAI api_key")
-    control = Depends(_bearer_guard(control_token, "control routes"))
-    openai = Depends(_bearer_guard(api_key, "the OpenAI routes"))
+    control = _bearer_guard((control_token,), "control routes")
+    openai = _bearer_guard((api_key,) if api_key else (), "the OpenAI routes")
+    read = _bearer_guard((api_key, control_token) if api_key else (), "this route")
+    open_: Guard = _bearer_guard((), "")
+    guards = {
+        "/health": open_,
+        "/info": read,
+        "/openapi.json": read,
+        "/init_process_group": control,
+        "/request_weight_update": control,
+        "/probe_broadcast": control,
+        "/v1/models": openai,
+        "/v1/chat/completions": openai,
+    }
     slot = _ControlSlot()
-    router = APIRouter()
+    router = APIRouter(route_class=_guarded_route(guards))
+    served = served_model_name(backend.model_name)
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "version": backend.version}
 
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
+
     @router.get("/info", response_model=ServerInfo)
     async def info() -> ServerInfo:
         return ServerInfo(
             backend=backend.name,
-            model=backend.model_name,
+            model=served,
             version=backend.version,
             receiving_workers=backend.receiving_workers,
             receive_modes=sorted(backend.capabilities.receive_modes),
@@ -122,8 +191,19 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             capabilities=capabilities_to_dict(backend.capabilities),
         )
 
-    @router.post("/init_process_group", dependencies=[control])
+    @router.post("/init_process_group")
     async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
+        if not trainer_host_allowed(req.init_method, trainer_hosts):
+            raise HTTPError(
+                403,
+                f"init_method {req.init_method!r}: not a trainer host this server may join (loopback, or a host "
+                "named at start-up with --allow-trainer-host)",
+                kind="permission_error",
+                field="init_method",
+            )
+        pending = slot.update
+        if pending is not None and backend.cancel_waiting_update("a new /init_process_group replaced the group"):
+            await asyncio.wait({pending}, timeout=30)  # it ends at once: it never entered a receive
         slot.take("init_process_group")
         try:
             resp = await backend.init_process_group(req)
@@ -133,7 +213,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             slot.release()
         return resp.model_dump()
 
-    @router.post("/request_weight_update", dependencies=[control])
+    @router.post("/request_weight_update")
     async def request_weight_update(req: WeightUpdateRequest) -> StreamingResponse:
         slot.take(f"weight update to version {req.version}")
         try:
@@ -155,6 +235,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
         # The update runs as its own task: a client that disconnects cannot cancel a receive
         # half-way. The slot is released only when the update has really ended.
         task = asyncio.create_task(backend.update_weights(req, mode, on_accepted))
+        slot.update = task
         task.add_done_callback(lambda _: slot.release())
 
         async def events() -> AsyncIterator[bytes]:
@@ -181,8 +262,12 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
 
         return StreamingResponse(events(), media_type="application/x-ndjson")
 
-    @router.post("/probe_broadcast", dependencies=[control])
+    @router.post("/probe_broadcast")
     async def probe_broadcast(req: ProbeBroadcastRequest) -> dict[str, Any]:
+        try:
+            check_group_id(req.group_id, backend.group_state())
+        except UpdateRejected as e:
+            raise HTTPError(e.status, str(e), kind="conflict", field=e.field) from e
         slot.take("probe_broadcast")
         try:
             seconds = await backend.probe_broadcast(req)
@@ -192,13 +277,13 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             slot.release()
         return {"receive_s": seconds, "nbytes": req.nbytes}
 
-    @router.get("/v1/models", dependencies=[openai])
+    @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
                 {
-                    "id": backend.model_name,
+                    "id": served,
                     "object": "model",
                     "owned_by": backend.name,
                     "max_model_len": backend.max_model_len,
@@ -206,19 +291,15 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             ],
         }
 
-    @router.post("/v1/chat/completions", dependencies=[openai])
+    @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> JSONResponse:
-        if req.model is not None and req.model != backend.model_name:
-            raise HTTPError(
-                404,
-                f"model {req.model!r} is not served here (serving {backend.model_name!r})",
-                field="model",
-            )
+        if req.model is not None and req.model not in (served, backend.model_name):
+            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
         try:
             resp = await backend.chat_completion(req)
         except ValueError as e:
             raise HTTPError(400, str(e)) from e
-        return JSONResponse(resp.model_dump(exclude_none=True))
+        return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
     return router
 
@@ -227,8 +308,11 @@ def _line(event: UpdateEvent) -> bytes:
     return (event.model_dump_json(exclude_none=True) + "\n").encode()
 
 
-def create_app(backend: InferenceBackend, *, control_token: str, api_key: str | None = None) -> FastAPI:
-    """A FastAPI app serving the contract over ``backend``, which it starts and stops."""
+def create_app(
+    backend: InferenceBackend, *, control_token: str, api_key: str | None = None, trainer_hosts: tuple[str, ...] = ()
+) -> FastAPI:
+    """A FastAPI app serving the contract over ``backend``, which it starts and stops. Its
+    OpenAPI schema is the router's guarded ``/openapi.json``; no docs pages."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -238,8 +322,14 @@ def create_app(backend: InferenceBackend, *, control_token: str, api_key: str | 
         finally:
             await backend.stop()
 
-    app = FastAPI(title=f"pipelinerl-sdk inference ({backend.name})", lifespan=lifespan)
-    app.include_router(build_router(backend, control_token=control_token, api_key=api_key))
+    app = FastAPI(
+        title=f"pipelinerl-sdk inference ({backend.name})",
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.include_router(build_router(backend, control_token=control_token, api_key=api_key, trainer_hosts=trainer_hosts))
     install_error_handlers(app)
     return app
 
@@ -288,7 +378,9 @@ def run_server(backend: InferenceBackend, config: ServeConfig) -> None:
 
     sock = bind_socket(config.host, config.port)
     port = sock.getsockname()[1]
-    app = create_app(backend, control_token=config.control_token, api_key=config.api_key)
+    app = create_app(
+        backend, control_token=config.control_token, api_key=config.api_key, trainer_hosts=config.trainer_hosts
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning")))
 
     async def main() -> None:

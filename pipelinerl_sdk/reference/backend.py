@@ -128,6 +128,7 @@ class ReferenceInferenceBackend(InferenceBackend):
         c = g.config
         return GroupState(
             group_name=c.group_name,
+            group_id=c.group_id,
             ranks=[c.rank],
             world_size=c.world_size,
             backend=c.backend,
@@ -160,11 +161,13 @@ class ReferenceInferenceBackend(InferenceBackend):
             req.backend,
             req.group_name,
             req.timeout_s,
+            req.group_secret,
         )
         group = await asyncio.to_thread(WeightSyncGroup, cfg)
         self._group, self._receiver = group, WeightReceiver(group)
         return InitProcessGroupResponse(
             group_name=req.group_name,
+            group_id=cfg.group_id,
             ranks=[req.rank_offset],
             world_size=req.world_size,
             backend=req.backend,
@@ -214,6 +217,9 @@ class ReferenceInferenceBackend(InferenceBackend):
             apply_s=apply_s,
             total_s=time.perf_counter() - t0,
         )
+
+    def cancel_waiting_update(self, reason: str) -> bool:
+        return self._group is not None and self._group.cancel_decision_wait(reason)
 
     async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:
         receiver = self._receiver

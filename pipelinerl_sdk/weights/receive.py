@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.errors import GroupError, UpdateFailed
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import WeightSyncGroup
 from pipelinerl_sdk.weights.tensors import from_bytes
@@ -47,6 +47,24 @@ class StagedWeights:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.views is not None
         return iter(self.views)
+
+
+class NonFiniteWeights(UpdateFailed):
+    """A received param holds NaN or infinity: the update is refused after its last bucket (the
+    group stays healthy, the old weights keep serving). The message names the param."""
+
+
+def first_non_finite(tensors: Iterator[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first floating-point tensor holding a NaN or an infinity, or None. Cheap: one
+    sum per tensor (NaN and inf propagate through it); only a non-finite sum is confirmed
+    element-wise (a sum of finite values may overflow)."""
+    for name, t in tensors:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        total = t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def update_key(version: int) -> str:
@@ -90,15 +108,24 @@ class WeightReceiver:
 
         Raises :class:`~pipelinerl_sdk.errors.UpdateAborted` if the trainer called it off (the
         group stays healthy), :class:`GroupError` on a timeout or a lost peer (the group is then
-        broken)."""
+        broken), :class:`NonFiniteWeights` once every bucket arrived if a param holds NaN or
+        infinity (checked per bucket while the next one streams in; the group stays healthy)."""
         if into is not None and (into.dtype != torch.uint8 or into.numel() != plan.total_bytes):
             raise ValueError(f"into: need a uint8 buffer of {plan.total_bytes} bytes, got {into.dtype} {into.numel()}")
         buf = into if into is not None else self._staging(plan.total_bytes)
         views = self._views(plan, buf)
         self.group.await_decision(key, decision_timeout_s)
         t0 = time.perf_counter()
+        bad: str | None = None
+        start = 0  # index in ``views`` of the first param of the bucket being received
         for b in plan.buckets:
-            self.group.broadcast(buf[b.offset : b.offset + b.nbytes], 0, what=f"receive of bucket {b.index}")
+            work = self.group.broadcast_async(buf[b.offset : b.offset + b.nbytes], 0)
+            self.group.wait(work, f"receive of bucket {b.index}")
+            if bad is None:
+                bad = first_non_finite(iter(views[start : start + len(b.entries)]))
+            start += len(b.entries)
+        if bad is not None:
+            raise NonFiniteWeights(f"param {bad!r} holds NaN or infinity: update refused")
         return StagedWeights(plan, buf, time.perf_counter() - t0, views)
 
     def receive_flat(self, nbytes: int, key: str, *, decision_timeout_s: float) -> float:
@@ -124,4 +151,4 @@ def apply_staged(staged: StagedWeights, params: Mapping[str, torch.Tensor]) -> i
     return copied
 
 
-__all__ = ["GroupError", "StagedWeights", "WeightReceiver", "apply_staged", "update_key"]
+__all__ = ["GroupError", "NonFiniteWeights", "StagedWeights", "WeightReceiver", "apply_staged", "update_key"]

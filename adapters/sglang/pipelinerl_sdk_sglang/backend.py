@@ -47,6 +47,7 @@ from pipelinerl_sdk.protocol import (
     Usage,
     WeightUpdateRequest,
 )
+from pipelinerl_sdk.weights.auth import group_id, store_name
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
     SGLangError,
@@ -127,6 +128,8 @@ class SGLangInferenceBackend(InferenceBackend):
         self._specs: list[ParamSpec] = []
         self._version = 0
         self._group: GroupState | None = None
+        #: The group's name inside SGLang and the store (``weights.auth.store_name``).
+        self._engine_group = ""
         self._decisions: Any = None  # weights.group.DecisionBoard
 
     # --- identity ---------------------------------------------------------------------------------
@@ -225,30 +228,40 @@ class SGLangInferenceBackend(InferenceBackend):
         old, self._group, self._decisions = self._group, None, None
         if old is not None:  # SGLang refuses a second group of the same name
             try:
-                await self.sglang.control("/destroy_weights_update_group", {"group_name": old.group_name})
+                await self.sglang.control("/destroy_weights_update_group", {"group_name": self._engine_group})
             except SGLangError as e:
                 log.warning("destroying the old weight-update group failed: %s", e)
+        # The secret-derived name: SGLang's own group call then uses the trainer's store layout.
+        self._engine_group = name = store_name(req.group_name, req.group_secret)
         body = {
             "master_address": host,
             "master_port": port,
             "rank_offset": req.rank_offset,
             "world_size": req.world_size,
-            "group_name": req.group_name,
+            "group_name": name,
             "backend": req.backend,
         }
         try:
             joined = asyncio.create_task(self.sglang.control("/init_weights_update_group", body))
-            decisions = await asyncio.to_thread(DecisionBoard.connect, req.init_method, req.group_name, req.timeout_s)
+            decisions = await asyncio.to_thread(
+                DecisionBoard.connect, req.init_method, name, req.timeout_s, req.group_secret
+            )
             await asyncio.wait_for(joined, req.timeout_s + 30)
         except (SGLangError, TimeoutError) as e:
             raise GroupError(f"SGLang could not join {req.group_name!r} at {req.init_method}: {e}") from e
         self._decisions = decisions
         ranks = list(range(req.rank_offset, req.rank_offset + self._tp))
+        gid = group_id(req.group_secret)
         self._group = GroupState(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend, broken=False
+            group_name=req.group_name,
+            group_id=gid,
+            ranks=ranks,
+            world_size=req.world_size,
+            backend=req.backend,
+            broken=False,
         )
         return InitProcessGroupResponse(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend
+            group_name=req.group_name, group_id=gid, ranks=ranks, world_size=req.world_size, backend=req.backend
         )
 
     def _mark_broken(self, reason: str) -> None:
@@ -301,7 +314,7 @@ class SGLangInferenceBackend(InferenceBackend):
 
         assert self._group is not None  # validate_update checked it
         sgl = self.sglang
-        group_name = self._group.group_name
+        group_name = self._engine_group
         plan = BucketPlan.build(req.params, req.bucket_bytes)
         key = update_key(req.version)
         t0 = time.perf_counter()
@@ -388,7 +401,7 @@ class SGLangInferenceBackend(InferenceBackend):
             await sgl.control("/begin_weight_update", {})
             try:
                 t0 = time.perf_counter()
-                await sgl.call_hook("probe", probe_request(self._group.group_name, req.nbytes), self._tp)
+                await sgl.call_hook("probe", probe_request(self._engine_group, req.nbytes), self._tp)
                 return time.perf_counter() - t0
             finally:
                 await sgl.control("/end_weight_update", {})

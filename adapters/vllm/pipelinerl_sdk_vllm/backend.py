@@ -45,6 +45,7 @@ from pipelinerl_sdk.protocol import (
     Usage,
     WeightUpdateRequest,
 )
+from pipelinerl_sdk.weights.auth import group_id
 from pipelinerl_sdk_vllm.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
@@ -198,6 +199,7 @@ class VLLMInferenceBackend(InferenceBackend):
             "backend": req.backend,
             "group_name": req.group_name,
             "timeout_s": req.timeout_s,
+            "group_secret": req.group_secret,
         }
         try:
             await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
@@ -205,11 +207,17 @@ class VLLMInferenceBackend(InferenceBackend):
             raise GroupError(f"vLLM workers could not join {req.group_name!r} at {req.init_method}: {e}") from e
         self._group_timeout_s = req.timeout_s
         ranks = list(range(req.rank_offset, req.rank_offset + self._workers))
+        gid = group_id(req.group_secret)
         self._group = GroupState(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend, broken=False
+            group_name=req.group_name,
+            group_id=gid,
+            ranks=ranks,
+            world_size=req.world_size,
+            backend=req.backend,
+            broken=False,
         )
         return InitProcessGroupResponse(
-            group_name=req.group_name, ranks=ranks, world_size=req.world_size, backend=req.backend
+            group_name=req.group_name, group_id=gid, ranks=ranks, world_size=req.world_size, backend=req.backend
         )
 
     def _mark_broken(self, reason: str) -> None:

@@ -154,7 +154,10 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
         await backend.start()
         supported = await engine.get_supported_tasks()
         app = build_app(args, supported, engine.model_config)
-        mount_router(app, build_router(backend, control_token=config.control_token, api_key=config.api_key))
+        router = build_router(
+            backend, control_token=config.control_token, api_key=config.api_key, trainer_hosts=config.trainer_hosts
+        )
+        mount_router(app, router)
         install_error_handlers(app)
         # vLLM's app comes with its middleware stack already built (the SageMaker bootstrap
         # builds it), which froze the exception handlers: rebuild it to include the SDK's.
