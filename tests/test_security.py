@@ -16,17 +16,16 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from test_server_integration import publish, run
 
 from pipelinerl_sdk.conformance.inference import update_body
-from pipelinerl_sdk.contracts import TrainerSpec
 from pipelinerl_sdk.errors import FanOutError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
@@ -36,28 +35,7 @@ from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.receive import update_key
 
 pytestmark = pytest.mark.integration
-T = TypeVar("T")
 CHAT = {"messages": [{"role": "user", "content": "12+7="}], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
-
-
-def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await coro_fn()
-
-    return asyncio.run(main())
-
-
-@pytest.fixture(scope="module")
-def trainer(tiny_model: Path) -> Iterator[ReferenceTrainer]:
-    t = ReferenceTrainer()
-    t.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
-    yield t
-    t.close()
-
-
-async def publish(pub: WeightPublisher, trainer: ReferenceTrainer, version: int) -> None:
-    async with pub.update(version, trainer.param_specs()) as sink:
-        await asyncio.to_thread(trainer.gather_and_broadcast, sink)
 
 
 def outsider(pub: WeightPublisher) -> Any:

@@ -118,12 +118,13 @@ class WeightReceiver:
         t0 = time.perf_counter()
         bad: str | None = None
         start = 0  # index in ``views`` of the first param of the bucket being received
+        last: tuple[tuple[str, torch.Tensor], ...] = ()  # the params of the bucket received last
         for b in plan.buckets:
             work = self.group.broadcast_async(buf[b.offset : b.offset + b.nbytes], 0)
+            bad = bad or first_non_finite(iter(last))  # checked while this bucket streams in
             self.group.wait(work, f"receive of bucket {b.index}")
-            if bad is None:
-                bad = first_non_finite(iter(views[start : start + len(b.entries)]))
-            start += len(b.entries)
+            last, start = views[start : start + len(b.entries)], start + len(b.entries)
+        bad = bad or first_non_finite(iter(last))
         if bad is not None:
             raise NonFiniteWeights(f"param {bad!r} holds NaN or infinity: update refused")
         return StagedWeights(plan, buf, time.perf_counter() - t0, views)
