@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,12 +71,24 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_private(path: str, text: str) -> None:
+    """Write ``text`` to a new file only its owner can read (an existing file is replaced)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     token = os.environ.get(ENV_CONTROL_TOKEN, "")
     if not token:
+        # Never into the log: a log is read by more people than the operator.
         token = secrets.token_urlsafe(24)
+        path = args.control_token_file or os.path.join(tempfile.mkdtemp(prefix="pipelinerl-"), "control-token")
+        write_private(path, token)
         print(
-            f"pipelinerl: {ENV_CONTROL_TOKEN} not set; control token for this run: {token}",
+            f"pipelinerl: {ENV_CONTROL_TOKEN} not set; this run's control token is in {path} (owner-only)",
             file=sys.stderr,
         )
     config = ServeConfig(
@@ -87,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         receive_mode=args.receive_mode,
         ready_file=args.ready_file,
         options=_options(args.option),
+        trainer_hosts=tuple(args.allow_trainer_host),
     )
     registry = load_registry()
     registry.factory("inference", args.backend)  # an import error before binding or loading anything
@@ -200,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--receive-mode", choices=["direct", "staged"], default=None)
     s.add_argument("--ready-file", default=None, help="write {url, pid, port} here once serving")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    s.add_argument(
+        "--allow-trainer-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a trainer host whose weight-update store this server may join (loopback always may)",
+    )
+    s.add_argument(
+        "--control-token-file",
+        default=None,
+        help=f"without {ENV_CONTROL_TOKEN}: write the generated token here (owner-only), never to the log",
+    )
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tiny-model", help="write a tiny Qwen2 model and offline tokenizer to PATH")

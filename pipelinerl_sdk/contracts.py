@@ -94,6 +94,9 @@ class ServeConfig:
     receive_mode: ReceiveMode | None = None
     ready_file: str | None = None
     options: Mapping[str, str] = field(default_factory=dict)
+    #: Hosts besides loopback whose store ``/init_process_group`` may join (``init_method``);
+    #: ``pipelinerl serve --allow-trainer-host HOST``.
+    trainer_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +209,13 @@ class InferenceBackend(ABC):
         self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
     ) -> UpdateReport: ...
 
+    def cancel_waiting_update(self, reason: str) -> bool:
+        """Called when ``/init_process_group`` arrives while an update holds the control slot: if
+        that update still waits for its (old) trainer's decision, make it end at once with
+        UpdateAborted naming ``reason`` and return True. The default cannot (False): the new
+        group is then refused with 409 until the update ends."""
+        return False
+
     @abstractmethod
     async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:
         """Receive one flat broadcast of ``req.nbytes`` (after the trainer's ``go`` for
@@ -227,6 +237,20 @@ class ServesItself(Protocol):
     def serve(self, config: ServeConfig) -> None: ...
 
 
+def check_group_id(wanted: str, group: GroupState | None) -> None:
+    """UpdateRejected (409, field ``group_id``) unless ``wanted`` is the current group's id: a
+    request formed for an earlier group (a replaced trainer's) must not take the update slot."""
+    if group is None:
+        raise UpdateRejected("no weight-update group: call /init_process_group first", status=409, field="group")
+    if group.group_id is None or wanted != group.group_id:
+        raise UpdateRejected(
+            f"group_id {wanted!r} is not this server's current group ({group.group_id!r}): the group was "
+            "formed again since; call /init_process_group again",
+            status=409,
+            field="group_id",
+        )
+
+
 def validate_update_request(
     req: WeightUpdateRequest,
     *,
@@ -246,6 +270,7 @@ def validate_update_request(
             status=409,
             field="group",
         )
+    check_group_id(req.group_id, group)
     if req.version <= current_version:
         raise UpdateRejected(
             f"version must increase: got {req.version}, serving {current_version}",

@@ -42,6 +42,12 @@ def probe_key(probe_id: int) -> str:
     return f"probe/{probe_id}"
 
 
+#: Largest weight version (and probe id) a request may carry: the largest integer every JSON
+#: reader keeps exactly (2^53 - 1).
+MAX_VERSION = (1 << 53) - 1
+#: A group id (``weights.auth.group_id``): what ties an update to the group it was formed for.
+GroupId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
+
 # ASCII only (``\d`` would take any Unicode digit) and matched whole (``$`` allows a trailing "\n").
 _INIT_METHOD = re.compile(r"tcp://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})")
 
@@ -84,7 +90,9 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
 
 class InitProcessGroupRequest(WireModel):
     """Join the weight-update group. The trainer is rank 0 and hosts the TCPStore at
-    ``init_method``; this server's workers take ranks ``rank_offset .. rank_offset+workers-1``."""
+    ``init_method``; this server's workers take ranks ``rank_offset .. rank_offset+workers-1``.
+    ``group_secret`` is the trainer's random secret for this group (``weights.auth``): it signs
+    the trainer's decisions in the store; it travels only in this control-token-guarded body."""
 
     init_method: str
     rank_offset: Annotated[int, Field(ge=1)]
@@ -94,6 +102,7 @@ class InitProcessGroupRequest(WireModel):
         "pipelinerl-weights"
     )
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    group_secret: Annotated[str, Field(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$", repr=False)]
 
     @field_validator("init_method")
     @classmethod
@@ -104,6 +113,8 @@ class InitProcessGroupRequest(WireModel):
 
 class InitProcessGroupResponse(WireModel):
     group_name: str
+    #: The id every update for this group must carry (``weights.auth.group_id`` of the secret).
+    group_id: str
     ranks: list[int]
     world_size: int
     backend: GroupBackend
@@ -112,9 +123,11 @@ class InitProcessGroupResponse(WireModel):
 class WeightUpdateRequest(WireModel):
     """Receive one broadcast of all ``params`` (in this order, bucketed by ``bucket_bytes``) and
     serve them as ``version``. ``plan_digest`` is the sender's digest of the bucket plan; the
-    server recomputes the plan and refuses a mismatch before any receive starts."""
+    server recomputes the plan and refuses a mismatch before any receive starts. ``group_id`` is
+    the id ``/init_process_group`` answered: an update for another group is refused (409)."""
 
-    version: Annotated[int, Field(ge=1)]
+    version: Annotated[int, Field(ge=1, le=MAX_VERSION)]
+    group_id: GroupId
     params: Annotated[list[ParamSpec], Field(min_length=1)]
     bucket_bytes: Annotated[int, Field(ge=1024, le=1 << 34)]
     plan_digest: Annotated[str, Field(min_length=16, max_length=128)]
@@ -149,12 +162,15 @@ class ProbeBroadcastRequest(WireModel):
     benchmark's baseline. Guarded like the other control routes."""
 
     nbytes: Annotated[int, Field(ge=1, le=1 << 34)]
-    probe_id: Annotated[int, Field(ge=0)]
+    probe_id: Annotated[int, Field(ge=0, le=MAX_VERSION)]
+    group_id: GroupId
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
 
 
 class GroupState(WireModel):
     group_name: str
+    #: The id updates for this group carry (None: a backend that predates group ids).
+    group_id: str | None = None
     ranks: list[int]
     world_size: int
     backend: GroupBackend

@@ -37,3 +37,15 @@ def server(tiny_model: Path) -> Iterator[object]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model: Path) -> Iterator[object]:
+    """A reference trainer on the tiny model (lr 3e-3, no clipping), closed after the module."""
+    from pipelinerl_sdk.contracts import TrainerSpec
+    from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+
+    t = ReferenceTrainer()
+    t.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+    yield t
+    t.close()

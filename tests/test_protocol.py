@@ -138,13 +138,24 @@ def test_parse_init_method_total(text: str) -> None:
 
 def good_update(**overrides: Any) -> dict[str, Any]:
     params = [{"name": "w", "dtype": "float32", "shape": [2, 3]}, {"name": "b", "dtype": "float32", "shape": [3]}]
-    body: dict[str, Any] = {"version": 1, "params": params, "bucket_bytes": 1024, "plan_digest": "0" * 64}
+    body: dict[str, Any] = {
+        "version": 1,
+        "params": params,
+        "bucket_bytes": 1024,
+        "plan_digest": "0" * 64,
+        "group_id": "ab" * 16,
+    }
     body.update(overrides)
     return body
 
 
 def good_init(**overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"init_method": "tcp://127.0.0.1:29500", "rank_offset": 1, "world_size": 2}
+    body: dict[str, Any] = {
+        "init_method": "tcp://127.0.0.1:29500",
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_secret": "5e" * 32,
+    }
     body.update(overrides)
     return body
 
@@ -154,7 +165,7 @@ def good_init(**overrides: Any) -> dict[str, Any]:
     [
         (WeightUpdateRequest, good_update(bogus=1), ("bogus",)),
         (InitProcessGroupRequest, good_init(secret="x"), ("secret",)),
-        (ProbeBroadcastRequest, {"nbytes": 1, "probe_id": 0, "extra_field": True}, ("extra_field",)),
+        (ProbeBroadcastRequest, {"nbytes": 1, "probe_id": 0, "group_id": "ab", "extra_field": True}, ("extra_field",)),
         (ParamSpec, {"name": "w", "dtype": "float32", "shape": [1], "device": "cuda"}, ("device",)),
         (
             WeightUpdateRequest,
@@ -220,6 +231,9 @@ def test_update_request_refuses_duplicate_names() -> None:
     [
         ({"version": 0}, ("version",)),
         ({"version": -3}, ("version",)),
+        ({"version": 2**64 + 7}, ("version",)),
+        ({"version": 2**53}, ("version",)),
+        ({"group_id": ""}, ("group_id",)),
         ({"params": []}, ("params",)),
         ({"bucket_bytes": 1023}, ("bucket_bytes",)),
         ({"bucket_bytes": (1 << 34) + 1}, ("bucket_bytes",)),
@@ -246,6 +260,8 @@ def test_update_request_field_limits(overrides: dict[str, Any], loc: tuple[str, 
         ({"init_method": "127.0.0.1:29500"}, ("init_method",), "init_method must look like tcp://HOST:PORT"),
         ({"init_method": "tcp://127.0.0.1:0"}, ("init_method",), "init_method port out of range: 0"),
         ({"timeout_s": 3601}, ("timeout_s",), "less than or equal to 3600"),
+        ({"group_secret": "5e" * 8}, ("group_secret",), "at least 32 characters"),
+        ({"group_secret": "Z" * 64}, ("group_secret",), "should match pattern"),
     ],
 )
 def test_init_request_refusals(overrides: dict[str, Any], loc: tuple[str, ...], message: str) -> None:
@@ -264,8 +280,10 @@ EXPECTED = [
     spec("lm_head.bias", "float32", ()),
 ]
 MODES: frozenset[ReceiveMode] = frozenset({"direct", "staged"})
-HEALTHY = GroupState(group_name="g", ranks=[1], world_size=2, backend="gloo", broken=False)
-BROKEN = GroupState(group_name="g", ranks=[1], world_size=2, backend="gloo", broken=True, reason="peer lost")
+HEALTHY = GroupState(group_name="g", group_id="ab" * 16, ranks=[1], world_size=2, backend="gloo", broken=False)
+BROKEN = GroupState(
+    group_name="g", group_id="ab" * 16, ranks=[1], world_size=2, backend="gloo", broken=True, reason="peer lost"
+)
 CURRENT = 3
 
 
@@ -275,6 +293,7 @@ def update_body(params: list[ParamSpec], *, version: int = CURRENT + 1, bucket_b
         "params": [p.model_dump() for p in params],
         "bucket_bytes": bucket_bytes,
         "plan_digest": BucketPlan.build(params, bucket_bytes).digest(),
+        "group_id": "ab" * 16,
     }
 
 
@@ -326,6 +345,14 @@ def retyped(i: int, dtype: str) -> list[ParamSpec]:
     [
         pytest.param(update_body(EXPECTED), {"group": None}, 409, "group", "call /init_process_group", id="no-group"),
         pytest.param(update_body(EXPECTED), {"group": BROKEN}, 409, "group", "broken (peer lost)", id="broken"),
+        pytest.param(
+            {**update_body(EXPECTED), "group_id": "cd" * 16},
+            {},
+            409,
+            "group_id",
+            f"group_id {'cd' * 16!r} is not this server's current group ({'ab' * 16!r})",
+            id="other-group",
+        ),
         pytest.param(
             update_body(EXPECTED, version=CURRENT), {}, 409, "version", "got 3, serving 3", id="version-equal"
         ),

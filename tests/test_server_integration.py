@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipelinerl_sdk.conformance.inference import update_body
-from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
+from pipelinerl_sdk.contracts import TokenBatch
 from pipelinerl_sdk.errors import FanOutError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
@@ -38,14 +38,6 @@ def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
         return await coro_fn()
 
     return asyncio.run(main())
-
-
-@pytest.fixture(scope="module")
-def trainer(tiny_model: Path) -> Iterator[ReferenceTrainer]:
-    t = ReferenceTrainer()
-    t.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
-    yield t
-    t.close()
 
 
 def train_step(trainer: ReferenceTrainer, seed: int) -> None:

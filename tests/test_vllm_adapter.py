@@ -254,6 +254,68 @@ def test_reference_trainer_updates_vllm_and_logprobs_agree(
 
 
 @requires_vllm
+def test_vllm_ignores_forged_decisions_and_refuses_non_finite_weights(
+    vllm_server: ServerProcess, tiny_model: Path
+) -> None:
+    """Issue 15 on vLLM: an outsider's ``abort`` on the store does not stop an update (the signed
+    ``go`` wins); weights holding NaN are refused naming the param, the old weights keep serving,
+    the group stays healthy and the next update lands."""
+    from test_security import forge, outsider
+
+    from pipelinerl_sdk.errors import FanOutError
+
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+    assert trainer.model is not None
+    params = dict(trainer.model.named_parameters())
+    target = list(params)[1]
+
+    def poisoned(sink: Any) -> None:
+        for name, p in params.items():
+            t = p.detach().clone()
+            if name == target:
+                t.view(-1)[0] = float("nan")
+            sink.send(name, t)
+
+    async def body() -> None:
+        async with InferenceClient(vllm_server.url, control_token=vllm_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=60)
+            await pub.connect()
+            assert pub.group is not None
+            store, real_post = outsider(pub), pub.group.post_decision
+
+            def forged_first(key: str, go: bool, reason: str = "") -> None:
+                assert forge(store, key, "abort: outsider")
+                time.sleep(0.5)
+                real_post(key, go, reason)
+
+            pub.group.post_decision = forged_first  # type: ignore[method-assign]
+            version = (await client.info()).version + 1
+            async with pub.update(version, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            assert (await client.info()).version == version
+            pub.group.post_decision = real_post  # type: ignore[method-assign]
+            before = await _scored(client)
+            with pytest.raises(FanOutError) as err:
+                async with pub.update(version + 1, trainer.param_specs()) as sink:
+                    await asyncio.to_thread(poisoned, sink)
+            assert repr(target) in str(err.value) and "NaN or infinity" in str(err.value), err.value
+            info = await client.info()
+            assert info.version == version and info.group is not None and not info.group.broken
+            after = await _scored(client)
+            assert after.choices[0].token_ids == before.choices[0].token_ids
+            async with pub.update(version + 1, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            assert (await client.info()).version == version + 1
+            await pub.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+@requires_vllm
 def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model: Path) -> None:
     """The benchmark's anchor really is vLLM's own flow and really updates the weights: a reference
     trainer step published through /pause, /start_weight_update, /update_weights,

@@ -93,6 +93,8 @@ def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any
         "bucket_bytes": 64 << 10,
         # short: a server that wrongly accepts answers 200 and gives up on the decision at once
         "timeout_s": 2.0,
+        # the server's current group (a placeholder without one: refused for that first)
+        "group_id": info.group.group_id if info.group is not None and info.group.group_id else "0" * 32,
     }
     body.update(changes)
     if "plan_digest" not in body:
@@ -534,7 +536,7 @@ class InferenceContractTests:
                 plan = BucketPlan.build(info.params, publisher.bucket_bytes)
                 req = WeightUpdateRequest(
                     version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
-                    plan_digest=plan.digest(), timeout_s=60,
+                    plan_digest=plan.digest(), timeout_s=60, group_id=publisher.group.group_id,
                 )  # fmt: skip
                 call = client.request_weight_update(req)
                 await asyncio.wait_for(call.accepted, 30)

@@ -1,9 +1,11 @@
 """The inference contract as one FastAPI router any engine can mount, and its error handlers.
 
 Routes (control routes need ``Authorization: Bearer <control token>``; 401 without it, 403 with
-a wrong one):
+a wrong one; every token is checked before the body is read):
 
-- ``GET /health``, ``GET /info`` (read-only, open);
+- ``GET /health`` (open: status and weight version only);
+- ``GET /info``, ``GET /openapi.json`` (read-only; the API key when one is set, or the control
+  token);
 - ``POST /init_process_group`` (control);
 - ``POST /request_weight_update`` (control): validated first (4xx with a message, nothing
   received); then ``200`` with an NDJSON stream: ``accepted`` once the receive is armed, then
@@ -16,24 +18,30 @@ At most one control operation runs at a time; a second is refused with 409, neve
 Every error is a JSON body of the protocol's schema (``ErrorBody``): SDK errors map to a status
 through :data:`ERROR_STATUS`, anything unexpected is a 500 ``internal_error``. Serving (binding,
 lifespan, signals, the ready file) is :mod:`pipelinerl_sdk.kit.inference.serve`'s business.
+
+One exception to the single control slot: ``/init_process_group`` ends an update that still waits
+for its (replaced) trainer's decision, when the backend can (``cancel_waiting_update``), instead
+of waiting for its timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import PurePath
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
-from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict
+from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict, check_group_id
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PipelineRLError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
@@ -42,6 +50,7 @@ from pipelinerl_sdk.protocol import (
     ServerInfo,
     UpdateEvent,
     WeightUpdateRequest,
+    parse_init_method,
 )
 
 log = logging.getLogger("pipelinerl_sdk.server")
@@ -105,17 +114,57 @@ class _ContractRoute(APIRoute):
         return route
 
 
-def _bearer_guard(token: str | None, what: str) -> Callable[[Request], Awaitable[None]]:
+Guard = Callable[[Request], Awaitable[None]]
+
+
+def _bearer_guard(tokens: tuple[str, ...], what: str) -> Guard:
+    """Accept any of ``tokens`` (none: open)."""
+
     async def guard(request: Request) -> None:
-        if token is None:
+        if not tokens:
             return
         header = request.headers.get("authorization", "")
         if not header.lower().startswith("bearer "):
             raise HTTPError(401, f"missing bearer token for {what}", kind="authentication_error")
-        if not secrets.compare_digest(header[7:].strip().encode(), token.encode()):
+        given = header[7:].strip().encode()
+        if not any([secrets.compare_digest(given, t.encode()) for t in tokens]):  # every one compared
             raise HTTPError(403, f"wrong bearer token for {what}", kind="permission_error")
 
     return guard
+
+
+def _guarded_route(guards: dict[str, Guard]) -> type[APIRoute]:
+    """A route class that runs its path's guard *before* FastAPI reads and parses the body (a
+    dependency runs after): an unauthenticated client gets its 401 without sending the body."""
+
+    class GuardedRoute(_ContractRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            guard = guards[self.path]
+
+            async def guarded(request: Request) -> Response:
+                await guard(request)
+                return await handler(request)
+
+            return guarded
+
+    return GuardedRoute
+
+
+def trainer_host_allowed(init_method: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a server may join a store at ``init_method``: loopback, or a host in ``allowed``."""
+    host, _ = parse_init_method(init_method)
+    if host.lower() == "localhost" or host in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def served_model_name(model: str) -> str:
+    """The name a server shows for its model: the last component of a path, never the path."""
+    return PurePath(model).name or model
 
 
 class _ControlSlot:
@@ -123,6 +172,8 @@ class _ControlSlot:
 
     def __init__(self) -> None:
         self.busy: str | None = None
+        #: The update holding the slot, if one does.
+        self.update: asyncio.Task[Any] | None = None
 
     def take(self, what: str) -> None:
         if self.busy is not None:
@@ -134,30 +185,49 @@ class _ControlSlot:
         self.busy = what
 
     def release(self) -> None:
-        self.busy = None
+        self.busy, self.update = None, None
 
 
-def build_router(backend: InferenceBackend, *, control_token: str, api_key: str | None) -> APIRouter:
+def build_router(
+    backend: InferenceBackend, *, control_token: str, api_key: str | None, trainer_hosts: tuple[str, ...] = ()
+) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
-    from ``api_key``."""
+    from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only."""
     if not control_token:
         raise ValueError("control_token must be set: control routes are never open")
     if api_key is not None and secrets.compare_digest(control_token, api_key):
         raise ValueError("control_token must differ from the OpenAI api_key")
-    control = Depends(_bearer_guard(control_token, "control routes"))
-    openai = Depends(_bearer_guard(api_key, "the OpenAI routes"))
+    control = _bearer_guard((control_token,), "control routes")
+    openai = _bearer_guard((api_key,) if api_key else (), "the OpenAI routes")
+    read = _bearer_guard((api_key, control_token) if api_key else (), "this route")
+    open_: Guard = _bearer_guard((), "")
+    guards = {
+        "/health": open_,
+        "/info": read,
+        "/openapi.json": read,
+        "/init_process_group": control,
+        "/request_weight_update": control,
+        "/probe_broadcast": control,
+        "/v1/models": openai,
+        "/v1/chat/completions": openai,
+    }
     slot = _ControlSlot()
-    router = APIRouter(route_class=_ContractRoute)
+    router = APIRouter(route_class=_guarded_route(guards))
+    served = served_model_name(backend.model_name)
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "version": backend.version}
 
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
+
     @router.get("/info", response_model=ServerInfo)
     async def info() -> ServerInfo:
         return ServerInfo(
             backend=backend.name,
-            model=backend.model_name,
+            model=served,
             version=backend.version,
             receiving_workers=backend.receiving_workers,
             receive_modes=sorted(backend.capabilities.receive_modes),
@@ -169,8 +239,19 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             capabilities=capabilities_to_dict(backend.capabilities),
         )
 
-    @router.post("/init_process_group", dependencies=[control])
+    @router.post("/init_process_group")
     async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
+        if not trainer_host_allowed(req.init_method, trainer_hosts):
+            raise HTTPError(
+                403,
+                f"init_method {req.init_method!r}: not a trainer host this server may join (loopback, or a host "
+                "named at start-up with --allow-trainer-host)",
+                kind="permission_error",
+                field="init_method",
+            )
+        pending = slot.update
+        if pending is not None and backend.cancel_waiting_update("a new /init_process_group replaced the group"):
+            await asyncio.wait({pending}, timeout=30)  # it ends at once: it never entered a receive
         slot.take("init_process_group")
         try:
             resp = await backend.init_process_group(req)
@@ -178,7 +259,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             slot.release()
         return resp.model_dump()
 
-    @router.post("/request_weight_update", dependencies=[control])
+    @router.post("/request_weight_update")
     async def request_weight_update(req: WeightUpdateRequest) -> StreamingResponse:
         slot.take(f"weight update to version {req.version}")
         try:
@@ -197,6 +278,7 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
         # The update runs as its own task: a client that disconnects cannot cancel a receive
         # half-way. The slot is released only when the update has really ended.
         task = asyncio.create_task(backend.update_weights(req, mode, on_accepted))
+        slot.update = task
         task.add_done_callback(lambda _: slot.release())
 
         async def events() -> AsyncIterator[bytes]:
@@ -223,8 +305,12 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
 
         return StreamingResponse(events(), media_type="application/x-ndjson")
 
-    @router.post("/probe_broadcast", dependencies=[control])
+    @router.post("/probe_broadcast")
     async def probe_broadcast(req: ProbeBroadcastRequest) -> dict[str, Any]:
+        try:
+            check_group_id(req.group_id, backend.group_state())
+        except UpdateRejected as e:
+            raise HTTPError(e.status, str(e), kind="conflict", field=e.field) from e
         slot.take("probe_broadcast")
         try:
             seconds = await backend.probe_broadcast(req)
@@ -234,13 +320,13 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             slot.release()
         return {"receive_s": seconds, "nbytes": req.nbytes}
 
-    @router.get("/v1/models", dependencies=[openai])
+    @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
                 {
-                    "id": backend.model_name,
+                    "id": served,
                     "object": "model",
                     "owned_by": backend.name,
                     "max_model_len": backend.max_model_len,
@@ -248,21 +334,17 @@ def build_router(backend: InferenceBackend, *, control_token: str, api_key: str 
             ],
         }
 
-    @router.post("/v1/chat/completions", dependencies=[openai])
+    @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> JSONResponse:
-        if req.model is not None and req.model != backend.model_name:
-            raise HTTPError(
-                404,
-                f"model {req.model!r} is not served here (serving {backend.model_name!r})",
-                field="model",
-            )
+        if req.model is not None and req.model not in (served, backend.model_name):
+            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
         try:
             resp = await backend.chat_completion(req)
         except PipelineRLError:
             raise  # the table decides (InvalidRequest/PromptTooLong: 400 naming the field)
         except ValueError as e:  # an adapter's plain ValueError: the request, not the server
             raise HTTPError(400, str(e)) from e
-        return JSONResponse(resp.model_dump(exclude_none=True))
+        return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
     return router
 

@@ -84,7 +84,15 @@ class ReferenceInferenceBackend(KitBackend):
         self.book.leave()
         if old is not None:
             old.close()
-        cfg = GroupConfig(req.init_method, req.rank_offset, req.world_size, req.backend, req.group_name, req.timeout_s)
+        cfg = GroupConfig(
+            req.init_method,
+            req.rank_offset,
+            req.world_size,
+            req.backend,
+            req.group_name,
+            req.timeout_s,
+            req.group_secret,
+        )
         group = await asyncio.to_thread(WeightSyncGroup, cfg)
         self._receiver = WeightReceiver(group)
         return self.book.join(req, 1, group)
@@ -93,6 +101,10 @@ class ReferenceInferenceBackend(KitBackend):
         self.book.version = self.engine.version  # the engine's is the truth (tests swap engines)
         assert self._receiver is not None  # validate_update checked the group
         return local_steps(self._receiver, self._weights, self._params, req, self.engine)
+
+    def cancel_waiting_update(self, reason: str) -> bool:
+        group = self.book.group
+        return group is not None and group.cancel_decision_wait(reason)
 
     async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         self.require_group()

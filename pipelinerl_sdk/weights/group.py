@@ -8,13 +8,20 @@ Besides broadcasts, the store carries one small signal per update: the trainer's
 (``go`` or ``abort: reason``), which receivers wait for with a timeout before they enter any
 collective. A receiver that never hears ``go`` therefore never blocks in a collective, and an
 update refused by one server of a fleet can be called off cleanly on all the others.
+
+The store has no authentication of its own: rank 0 binds it to the address asked for (not every
+interface), and the group's secret (:mod:`pipelinerl_sdk.weights.auth`) namespaces its keys and
+signs every decision; a receiver ignores (and logs) a decision not signed with it.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,8 +29,11 @@ import torch.distributed as dist
 
 from pipelinerl_sdk.errors import GroupError, UpdateAborted
 from pipelinerl_sdk.protocol import GroupBackend, parse_init_method
+from pipelinerl_sdk.weights.auth import group_id, read_decision, sign_decision, store_name
 
-_DECISION_GO = "go"
+log = logging.getLogger("pipelinerl_sdk.weights.group")
+#: How often a receiver re-reads a decision key that holds a value not signed with the secret.
+FORGED_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +46,18 @@ class GroupConfig:
     backend: GroupBackend = "gloo"
     group_name: str = "pipelinerl-weights"
     timeout_s: float = 120.0
+    #: The group's secret (:mod:`~pipelinerl_sdk.weights.auth`); "" only for in-process use: with
+    #: it empty, anyone who reaches the store can forge decisions.
+    secret: str = field(default="", repr=False)
+
+    @property
+    def group_id(self) -> str:
+        return group_id(self.secret)
+
+    @property
+    def store_name(self) -> str:
+        """The name the group's keys live under in the store (see ``auth.store_name``)."""
+        return store_name(self.group_name, self.secret)
 
 
 def torch_group_store(store: Any, group_name: str, backend: GroupBackend) -> Any:
@@ -50,17 +72,24 @@ def torch_group_store(store: Any, group_name: str, backend: GroupBackend) -> Any
 
 
 class DecisionBoard:
-    """The trainer's per-transfer decisions (``go`` / ``abort: reason``) in the group's store.
+    """The trainer's per-transfer decisions (``go`` / ``abort: reason``) in the group's store,
+    each signed with the group's secret (:func:`~pipelinerl_sdk.weights.auth.sign_decision`).
 
-    A member whose collectives are run by an engine it does not control (SGLang's own group) uses
+    ``name`` is the group's store name (:attr:`GroupConfig.store_name`). A member whose
+    collectives are run by an engine it does not control (SGLang's own group) uses
     :meth:`connect` to wait for decisions in its own process, before it asks the engine to enter
     a collective."""
 
-    def __init__(self, store: Any, group_name: str) -> None:
-        self._signals = dist.PrefixStore(f"{group_name}/sig", store)  # type: ignore[attr-defined]
+    def __init__(self, store: Any, name: str, secret: str = "") -> None:
+        self._store, self._prefix = store, f"{name}/sig"
+        self._signals = dist.PrefixStore(self._prefix, store)  # type: ignore[attr-defined]
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._waiting: str | None = None  # the key a receiver waits on, until it has its decision
+        self._cancelled: str | None = None
 
     @classmethod
-    def connect(cls, init_method: str, group_name: str, timeout_s: float) -> DecisionBoard:
+    def connect(cls, init_method: str, name: str, timeout_s: float, secret: str = "") -> DecisionBoard:
         """A client of the store rank 0 hosts at ``init_method``; GroupError if unreachable."""
         host, port = parse_init_method(init_method)
         try:
@@ -69,28 +98,89 @@ class DecisionBoard:
             )
         except Exception as e:
             raise GroupError(f"could not reach the group's store at {init_method}: {e}") from e
-        return cls(store, group_name)
+        return cls(store, name, secret)
 
     def post(self, key: str, go: bool, reason: str = "") -> None:
         """Rank 0: announce whether the transfer ``key`` will happen."""
-        self._signals.set(key, _DECISION_GO if go else f"abort: {reason}")
+        self._signals.set(key, sign_decision(self._secret, key, go, reason))
 
     def wait(self, key: str, timeout_s: float) -> None:
-        """Receivers: wait for the decision on ``key``; return on ``go``, raise
-        :class:`UpdateAborted` on an abort, :class:`GroupError` on a timeout or a lost store."""
+        """Receivers: wait for the trainer's signed decision on ``key``; return on ``go``, raise
+        :class:`UpdateAborted` on an abort, :class:`GroupError` on a timeout or a lost store. A
+        value not signed with the group's secret is logged and ignored: the wait goes on for the
+        real decision. :meth:`cancel_wait` ends it with UpdateAborted."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._waiting, self._cancelled = key, None
         try:
             self._signals.wait([key], datetime.timedelta(seconds=timeout_s))
             value = self._signals.get(key)
+            decision = read_decision(self._secret, key, value)
+            if decision is None and self._cancelled is None:
+                log.warning("ignored a decision for %r not signed by the trainer: %.80r", key, value)
+            while decision is None and self._cancelled is None and time.monotonic() < deadline:
+                time.sleep(FORGED_POLL_S)
+                if self._signals.check([key]):
+                    decision = read_decision(self._secret, key, self._signals.get(key))
         except Exception as e:
-            raise GroupError(f"no decision for {key!r} within {timeout_s:.1f}s: {e}") from e
-        if value != _DECISION_GO.encode():
-            raise UpdateAborted(f"trainer called off {key!r}: {value.decode(errors='replace')}")
+            if self._cancelled is None:
+                raise GroupError(f"no decision for {key!r} within {timeout_s:.1f}s: {e}") from e
+        finally:
+            with self._lock:
+                self._waiting = None
+                cancelled = self._cancelled
+        if cancelled is not None:
+            raise UpdateAborted(f"{key!r} cancelled while waiting for the trainer's decision: {cancelled}")
+        if decision is None:
+            raise GroupError(f"no decision signed by the trainer for {key!r} within {timeout_s:.1f}s")
+        go, reason = decision
+        if not go:
+            raise UpdateAborted(f"trainer called off {key!r}: abort: {reason}")
+
+    def cancel_wait(self, reason: str) -> bool:
+        """End a :meth:`wait` that has no decision yet (it raises UpdateAborted naming ``reason``);
+        False if no wait is pending (none, or its decision already arrived)."""
+        with self._lock:
+            key = self._waiting
+            if key is None:
+                return False
+            self._cancelled = reason
+        # Wake the waiter with an unsigned value (no receiver acts on it), over a connection of its
+        # own: the waiter's holds the client's lock until its wait ends. A lost store ends the
+        # wait by itself.
+        threading.Thread(target=self._wake, args=(key,), name="pipelinerl-cancel-wait", daemon=True).start()
+        return True
+
+    def _wake(self, key: str) -> None:
+        try:
+            client = dist.TCPStore(  # type: ignore[attr-defined]
+                self._store.host, self._store.port, world_size=None, is_master=False,
+                timeout=datetime.timedelta(seconds=10),
+            )  # fmt: skip
+            dist.PrefixStore(self._prefix, client).set(key, "cancelled by the receiver")  # type: ignore[attr-defined]
+        except Exception:
+            pass
 
     def clear(self, key: str) -> None:
         try:
             self._signals.delete_key(key)
         except Exception:  # best effort: a stale key only costs a few bytes in the store
             pass
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` only (the store's own listener takes every interface);
+    GroupError naming the address if it cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise GroupError(f"cannot bind the group's store to {host}:{port}: {e.strerror}") from e
+    return sock
 
 
 class WeightSyncGroup:
@@ -108,6 +198,9 @@ class WeightSyncGroup:
         self._broken: str | None = None
         self._lock = threading.Lock()
         timeout = datetime.timedelta(seconds=config.timeout_s)
+        # Rank 0 listens where asked (the store's own listener would take every interface); the
+        # store owns the socket from here on and closes it.
+        listen_fd = listen_socket(host, port).detach() if config.rank == 0 else None
         try:
             self._store = dist.TCPStore(  # type: ignore[attr-defined]
                 host,
@@ -116,9 +209,10 @@ class WeightSyncGroup:
                 is_master=config.rank == 0,
                 timeout=timeout,
                 wait_for_workers=False,
+                master_listen_fd=listen_fd,
             )
-            self._decisions = DecisionBoard(self._store, config.group_name)
-            prefixed = torch_group_store(self._store, config.group_name, config.backend)
+            self._decisions = DecisionBoard(self._store, config.store_name, config.secret)
+            prefixed = torch_group_store(self._store, config.store_name, config.backend)
             if config.backend == "gloo":
                 self.device = torch.device("cpu")
                 self._pg: Any = dist.ProcessGroupGloo(prefixed, config.rank, config.world_size, timeout)
@@ -145,6 +239,11 @@ class WeightSyncGroup:
     @property
     def rank(self) -> int:
         return self.config.rank
+
+    @property
+    def group_id(self) -> str:
+        """The id every update for this group names (see ``auth.group_id``)."""
+        return self.config.group_id
 
     @property
     def broken(self) -> str | None:
@@ -189,6 +288,10 @@ class WeightSyncGroup:
 
     def clear_decision(self, key: str) -> None:
         self._decisions.clear(key)
+
+    def cancel_decision_wait(self, reason: str) -> bool:
+        """Receivers: see :meth:`DecisionBoard.cancel_wait`."""
+        return self._decisions.cancel_wait(reason)
 
     def close(self) -> None:
         """Release the group. Safe to call twice."""

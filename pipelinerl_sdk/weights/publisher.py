@@ -10,6 +10,9 @@ One update, end to end::
    ``abort`` so the others return at once, and raises :class:`FanOutError` naming each server;
 3. the body streams tensors through the bucket plan; on exit the publisher waits for the last
    broadcast and for every server's ``done``; any failure raises, naming the server.
+
+Every wait on a server is bounded by ``timeout_s``: a server that stopped answering (SIGSTOP, a
+hung process) is reported as such, naming it, within the update's timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -37,6 +40,7 @@ from pipelinerl_sdk.protocol import (
     probe_key,
     update_key,
 )
+from pipelinerl_sdk.weights.auth import group_id, new_group_secret
 from pipelinerl_sdk.weights.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.send import SendStats, WeightSender, broadcast_flat
@@ -48,12 +52,11 @@ class PendingUpdate(Protocol):
     event (raises on its error)."""
 
     url: str
+    accepted: asyncio.Future[UpdateEvent]
+    final: asyncio.Future[UpdateEvent]
 
-    @property
-    def accepted(self) -> Awaitable[Any]: ...
-
-    @property
-    def final(self) -> Awaitable[UpdateEvent]: ...
+    async def cancel(self) -> None:
+        """Give up on the call (close its stream)."""
 
 
 class ServerLink(Protocol):
@@ -126,13 +129,16 @@ class WeightPublisher:
         group_name: str = "pipelinerl-weights",
     ) -> None:
         """Form the group: rank 0 here, each server's workers at consecutive ranks after it.
-        Raises FanOutError naming every server that failed to join."""
+        The group's store listens on ``host`` only. Each server gets a fresh secret for this group
+        (see :mod:`~pipelinerl_sdk.weights.auth`). Raises FanOutError naming every server that
+        failed to join."""
         infos = cast(list[ServerInfo], await _fan_out([c.info() for c in self.clients], self.clients))
         world = 1 + sum(i.receiving_workers for i in infos)
         port = port or free_port(host)
         init_method = f"tcp://{host}:{port}"
         offsets = list(itertools.accumulate([1] + [i.receiving_workers for i in infos]))[:-1]
-        cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s)
+        secret = new_group_secret()
+        cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s, secret)
         own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, cfg))
         joins = [
             c.init_process_group(
@@ -143,12 +149,18 @@ class WeightPublisher:
                     backend=backend,
                     group_name=group_name,
                     timeout_s=self.timeout_s,
+                    group_secret=secret,
                 )
             )
             for c, off in zip(self.clients, offsets, strict=True)
         ]
         results = await asyncio.gather(*joins, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        errors += [
+            ServerError(c.url, f"joined group {r.group_id!r}, expected {group_id(secret)!r}")
+            for c, r in zip(self.clients, results, strict=True)
+            if not isinstance(r, BaseException) and r.group_id != group_id(secret)
+        ]
         try:
             group = await own
         except GroupError as e:
@@ -184,15 +196,16 @@ class WeightPublisher:
             plan_digest=plan.digest(),
             mode=self.mode,
             timeout_s=self.timeout_s,
+            group_id=group.group_id,
         )
         key = update_key(version)
         group.clear_decision(key)  # a stale decision for this version (an earlier, failed try) must not be read
         calls = [c.request_weight_update(req) for c in self.clients]
-        accepted = await asyncio.gather(*(c.accepted for c in calls), return_exceptions=True)
+        accepted = await self._bounded(calls, "accepted")
         refused = [r for r in accepted if isinstance(r, BaseException)]
         if refused:
             group.post_decision(key, go=False, reason="; ".join(str(r) for r in refused))
-            await asyncio.gather(*(c.final for c in calls), return_exceptions=True)
+            await self._bounded(calls, "final")
             group.clear_decision(key)
             raise FanOutError(
                 [_as_server_error(r, c) for r, c in zip(accepted, calls, strict=True) if isinstance(r, BaseException)]
@@ -207,7 +220,7 @@ class WeightPublisher:
             # The receivers are mid-broadcast: they fail on their timeout (or at once if the
             # group notices). Their old weights keep serving; report both sides.
             group.mark_broken(f"sender failed: {e}")
-            finals = await asyncio.gather(*(c.final for c in calls), return_exceptions=True)
+            finals = await self._bounded(calls, "final")
             server_errors = [
                 _as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)
             ]
@@ -216,7 +229,7 @@ class WeightPublisher:
             raise
         finally:
             group.clear_decision(key)
-        finals = await asyncio.gather(*(c.final for c in calls), return_exceptions=True)
+        finals = await self._bounded(calls, "final")
         failures = [_as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)]
         if failures:
             raise FanOutError(failures)
@@ -227,13 +240,34 @@ class WeightPublisher:
             loop.time() - t0,
         )
 
+    async def _bounded(self, calls: Sequence[PendingUpdate], what: str) -> list[UpdateEvent | BaseException]:
+        """Every call's ``accepted`` or ``final`` event (or its error), waiting at most
+        ``timeout_s``: a server silent that long is reported as stopped or hung, and its call
+        dropped."""
+        futures = [c.accepted if what == "accepted" else c.final for c in calls]
+        await asyncio.wait(futures, timeout=self.timeout_s)
+        out: list[UpdateEvent | BaseException] = []
+        for call, fut in zip(calls, futures, strict=True):
+            if fut.done():
+                out.append(fut.exception() or fut.result())
+                continue
+            await call.cancel()
+            out.append(
+                ServerError(
+                    call.url,
+                    f"server did not answer within the update's timeout_s={self.timeout_s:g} "
+                    f"(no '{what}' event; stopped or hung?)",
+                )
+            )
+        return out
+
     async def probe(self, nbytes: int) -> tuple[float, dict[str, float]]:
         """One flat broadcast of ``nbytes`` to every server: (send seconds, receive seconds by
         server). The baseline for ``update_over_flat_broadcast``."""
         group = self._require_group()
         probe_id = next(self._probe_ids)
         key = probe_key(probe_id)
-        req = ProbeBroadcastRequest(nbytes=nbytes, probe_id=probe_id, timeout_s=self.timeout_s)
+        req = ProbeBroadcastRequest(nbytes=nbytes, probe_id=probe_id, timeout_s=self.timeout_s, group_id=group.group_id)
         receives = [asyncio.create_task(c.probe_broadcast(req)) for c in self.clients]
         await asyncio.sleep(0)
         group.post_decision(key, go=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.errors import GroupError, UpdateFailed
 from pipelinerl_sdk.protocol import update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import WeightSyncGroup
@@ -53,6 +53,24 @@ class StagedWeights:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.views is not None
         return iter(self.views)
+
+
+class NonFiniteWeights(UpdateFailed):
+    """A received param holds NaN or infinity: the update is refused after its last bucket (the
+    group stays healthy, the old weights keep serving). The message names the param."""
+
+
+def first_non_finite(tensors: Iterator[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first floating-point tensor holding a NaN or an infinity, or None. Cheap: one
+    sum per tensor (NaN and inf propagate through it); only a non-finite sum is confirmed
+    element-wise (a sum of finite values may overflow)."""
+    for name, t in tensors:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        total = t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 class WeightReceiver:
@@ -113,12 +131,23 @@ class WeightReceiver:
         buffer, or into ``into`` (a uint8 buffer of ``plan.total_bytes`` on the group's device that
         the caller owns, e.g. :meth:`DoubleBuffer.spare
         <pipelinerl_sdk.weights.swap.DoubleBuffer.spare>`). Raises :class:`GroupError` on a lost
-        peer or a timeout (the group is then broken)."""
+        peer or a timeout (the group is then broken), :class:`NonFiniteWeights` once every bucket
+        arrived if a param holds NaN or infinity (checked per bucket while the next one streams
+        in; the group stays healthy)."""
         buf = self._target(plan, into)
         views = self._views(plan, buf)
         t0 = time.perf_counter()
+        bad: str | None = None
+        start = 0  # index in ``views`` of the first param of the bucket being received
+        last: tuple[tuple[str, torch.Tensor], ...] = ()  # the params of the bucket received last
         for b in plan.buckets:
-            self.group.broadcast(buf[b.offset : b.offset + b.nbytes], 0, what=f"receive of bucket {b.index}")
+            work = self.group.broadcast_async(buf[b.offset : b.offset + b.nbytes], 0)
+            bad = bad or first_non_finite(iter(last))  # checked while this bucket streams in
+            self.group.wait(work, f"receive of bucket {b.index}")
+            last, start = views[start : start + len(b.entries)], start + len(b.entries)
+        bad = bad or first_non_finite(iter(last))
+        if bad is not None:
+            raise NonFiniteWeights(f"param {bad!r} holds NaN or infinity: update refused")
         return StagedWeights(plan, buf, time.perf_counter() - t0, views)
 
     def _target(self, plan: BucketPlan, into: torch.Tensor | None) -> torch.Tensor:
@@ -152,4 +181,4 @@ def apply_staged(staged: StagedWeights, params: Mapping[str, torch.Tensor]) -> i
     return copied
 
 
-__all__ = ["GroupError", "StagedWeights", "WeightReceiver", "apply_staged", "update_key"]
+__all__ = ["GroupError", "NonFiniteWeights", "StagedWeights", "WeightReceiver", "apply_staged", "update_key"]

@@ -38,6 +38,7 @@ from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
+from pipelinerl_sdk.weights.auth import store_name
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
     SGLangError,
@@ -97,6 +98,8 @@ class SGLangInferenceBackend(KitBackend):
         self._proc: SGLangProcess | None = None
         self._sgl: SGLangClient | None = None
         self._tokenizer: Any = None
+        #: The group's name inside SGLang and the store (``weights.auth.store_name``).
+        self._engine_group = ""
         self._decisions: Any = None  # weights.group.DecisionBoard
 
     @property
@@ -170,20 +173,24 @@ class SGLangInferenceBackend(KitBackend):
         old, self._decisions = self.book.leave(), None
         if old is not None:  # SGLang refuses a second group of the same name
             try:
-                await self.sglang.control("/destroy_weights_update_group", {"group_name": old.group_name})
+                await self.sglang.control("/destroy_weights_update_group", {"group_name": self._engine_group})
             except SGLangError as e:
                 log.warning("destroying the old weight-update group failed: %s", e)
+        # The secret-derived name: SGLang's own group call then uses the trainer's store layout.
+        self._engine_group = name = store_name(req.group_name, req.group_secret)
         body = {
             "master_address": host,
             "master_port": port,
             "rank_offset": req.rank_offset,
             "world_size": req.world_size,
-            "group_name": req.group_name,
+            "group_name": name,
             "backend": req.backend,
         }
         try:
             joined = asyncio.create_task(self.sglang.control("/init_weights_update_group", body))
-            decisions = await asyncio.to_thread(DecisionBoard.connect, req.init_method, req.group_name, req.timeout_s)
+            decisions = await asyncio.to_thread(
+                DecisionBoard.connect, req.init_method, name, req.timeout_s, req.group_secret
+            )
             await asyncio.wait_for(joined, req.timeout_s + 30)
         except (SGLangError, TimeoutError) as e:
             raise GroupError(f"SGLang could not join {req.group_name!r} at {req.init_method}: {e}") from e
@@ -235,7 +242,8 @@ class SGLangInferenceBackend(KitBackend):
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
         from pipelinerl_sdk.weights.buckets import BucketPlan
 
-        sgl, group_name = self.sglang, self.require_group().group_name
+        self.require_group()
+        sgl, group_name = self.sglang, self._engine_group
         plan = BucketPlan.build(req.params, req.bucket_bytes)
         state = {"session": False, "snapshot": False, "loaded": False}
 
@@ -301,8 +309,8 @@ class SGLangInferenceBackend(KitBackend):
     async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         from pipelinerl_sdk_sglang.scheduler_hooks import probe_request
 
-        group_name = self.require_group().group_name
-        sgl = self.sglang
+        self.require_group()
+        group_name, sgl = self._engine_group, self.sglang
         with self.book.breaking():
             await self._await_go(wire.probe_key(req.probe_id), req.timeout_s)
             try:

@@ -137,7 +137,7 @@ class VLLMInferenceBackend(KitBackend):
         self.refuse_nccl_on_cpu(req, self._cpu)
         self.book.leave()
         info = req.model_dump(
-            include={"init_method", "rank_offset", "world_size", "backend", "group_name", "timeout_s"}
+            include={"init_method", "rank_offset", "world_size", "backend", "group_name", "timeout_s", "group_secret"}
         )
         try:
             await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))

@@ -43,7 +43,7 @@ from pipelinerl_sdk.errors import UpdateAborted
 from pipelinerl_sdk.protocol import ParamSpec, probe_key, update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
-from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver
+from pipelinerl_sdk.weights.receive import NonFiniteWeights, StagedWeights, WeightReceiver
 
 logger = init_logger(__name__)
 
@@ -58,6 +58,7 @@ class PipelineRLInitInfo(WeightTransferInitInfo):
     backend: str = "gloo"
     group_name: str = "pipelinerl-weights"
     timeout_s: float = 120.0
+    group_secret: str = field(default="", repr=False)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             init_info.backend,  # type: ignore[arg-type]
             init_info.group_name,
             init_info.timeout_s,
+            init_info.group_secret,
         )
         self.group = WeightSyncGroup(cfg)  # blocks until every rank joined (bounded by timeout_s)
         self.receiver = WeightReceiver(self.group)
@@ -180,7 +182,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             try:
                 work()
                 job.state = "received"
-            except UpdateAborted as e:
+            except (UpdateAborted, NonFiniteWeights) as e:  # the group stays healthy
                 job.error, job.aborted, job.state = str(e), True, "failed"
             except BaseException as e:
                 job.error, job.state = f"{type(e).__name__}: {e}", "failed"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pipelinerl_sdk.errors import GroupError
 from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, InitProcessGroupResponse
+from pipelinerl_sdk.weights.auth import group_id
 
 if TYPE_CHECKING:
     from pipelinerl_sdk.weights.group import WeightSyncGroup
@@ -39,7 +40,11 @@ class GroupBook:
         self.request, self._reason, self._group = req, None, group
         self.ranks = list(range(req.rank_offset, req.rank_offset + workers))
         return InitProcessGroupResponse(
-            group_name=req.group_name, ranks=self.ranks, world_size=req.world_size, backend=req.backend
+            group_name=req.group_name,
+            group_id=group_id(req.group_secret),
+            ranks=self.ranks,
+            world_size=req.world_size,
+            backend=req.backend,
         )
 
     def leave(self) -> InitProcessGroupRequest | None:
@@ -80,6 +85,7 @@ class GroupBook:
         reason = self.broken
         return GroupState(
             group_name=req.group_name,
+            group_id=group_id(req.group_secret),
             ranks=list(self.ranks),
             world_size=req.world_size,
             backend=req.backend,

@@ -40,7 +40,8 @@ def serve(backend: InferenceBackend, config: ServeConfig) -> None:
     if isinstance(backend, ServesItself):
         backend.serve(config)
         return
-    app = FastAPI(title=f"pipelinerl-sdk inference ({backend.name})")
+    # The OpenAPI schema is the router's guarded /openapi.json; no docs pages.
+    app = FastAPI(title=f"pipelinerl-sdk inference ({backend.name})", openapi_url=None, docs_url=None, redoc_url=None)
     run(app, backend, config)
 
 
@@ -72,7 +73,10 @@ def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfi
     """Mount the contract's router on ``app`` (ahead of its own routes) and the SDK's error
     handlers. An app whose middleware stack is already built (vLLM's) has it rebuilt, or the
     handlers would not take effect."""
-    mount_first(app, build_router(backend, control_token=config.control_token, api_key=config.api_key))
+    router = build_router(
+        backend, control_token=config.control_token, api_key=config.api_key, trainer_hosts=config.trainer_hosts
+    )
+    mount_first(app, router)
     install_error_handlers(app)
     if app.middleware_stack is not None:
         app.middleware_stack = app.build_middleware_stack()
