@@ -37,6 +37,7 @@ from pipelinerl_sdk.protocol import (
     probe_key,
     update_key,
 )
+from pipelinerl_sdk.weights.auth import new_group_secret
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import free_port
@@ -92,15 +93,21 @@ async def _joined_backend(tiny_model: Path) -> tuple[object, WeightSyncGroup]:
     )
     await backend.start()
     init = f"tcp://127.0.0.1:{free_port()}"
-    own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, GroupConfig(init, 0, 2, timeout_s=30)))
-    await backend.init_process_group(InitProcessGroupRequest(init_method=init, rank_offset=1, world_size=2))
+    secret = new_group_secret()
+    own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, GroupConfig(init, 0, 2, timeout_s=30, secret=secret)))
+    await backend.init_process_group(
+        InitProcessGroupRequest(init_method=init, rank_offset=1, world_size=2, group_secret=secret)
+    )
     return backend, await own
 
 
 def _request(backend: object, version: int) -> tuple[WeightUpdateRequest, BucketPlan]:
     specs = backend.param_specs()  # type: ignore[attr-defined]
     plan = BucketPlan.build(specs, 1 << 20)
-    req = WeightUpdateRequest(version=version, params=specs, bucket_bytes=1 << 20, plan_digest=plan.digest())
+    group_id = backend.group_state().group_id  # type: ignore[attr-defined]
+    req = WeightUpdateRequest(
+        version=version, params=specs, bucket_bytes=1 << 20, plan_digest=plan.digest(), group_id=group_id
+    )
     return req, plan
 
 
@@ -277,9 +284,12 @@ def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_pat
             assert crash.json()["error"]["type"] == "internal_error"
             assert crash.json()["error"]["message"] == "RuntimeError: engine fell over"
             probe = http.post(
-                "/probe_broadcast", json={"nbytes": 8, "probe_id": 0}, headers={"authorization": "Bearer ctl"}
+                "/probe_broadcast",
+                json={"nbytes": 8, "probe_id": 0, "group_id": "0" * 32},
+                headers={"authorization": "Bearer ctl"},
             )
-            assert probe.status_code == 502 and probe.json()["error"]["type"] == "group_error"
+            assert probe.status_code == 409 and probe.json()["error"]["type"] == "update_rejected"
+            assert probe.json()["error"]["field"] == "group"
             assert "init_process_group" in probe.json()["error"]["message"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -307,10 +307,7 @@ def build_router(
 
     @router.post("/probe_broadcast")
     async def probe_broadcast(req: ProbeBroadcastRequest) -> dict[str, Any]:
-        try:
-            check_group_id(req.group_id, backend.group_state())
-        except UpdateRejected as e:
-            raise HTTPError(e.status, str(e), kind="conflict", field=e.field) from e
+        check_group_id(req.group_id, backend.group_state())  # UpdateRejected: 409 by the table
         slot.take("probe_broadcast")
         try:
             seconds = await backend.probe_broadcast(req)
