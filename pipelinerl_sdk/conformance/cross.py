@@ -14,43 +14,24 @@ The trainer runs at world size 1, in this process, in float32.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 import pytest
-import torch
 
 from pipelinerl_sdk.conformance.inference import arun, greedy
 from pipelinerl_sdk.conformance.mirror import compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest, TrainerTarget
 from pipelinerl_sdk.conformance.trainer import CompletionNLL, open_trainer
-from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec, WeightSink
+from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
+from pipelinerl_sdk.pipeline.publish import CastingSink, publish_weights
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec
 from pipelinerl_sdk.weights.publisher import WeightPublisher
-from pipelinerl_sdk.weights.tensors import TORCH_DTYPES
 
 #: The step of the cross check: large enough that the logprobs move far beyond the tolerance of
 #: any server dtype (so a server that ignored the update fails), no clipping. On the tiny model it
 #: moves the logprobs of the server's greedy sequence by 4.5 max / 0.73 mean (bfloat16 tolerance:
 #: 0.5 / 0.05).
 CROSS_LR = 1e-4
-
-
-class CastingSink:
-    """Hands every tensor on to ``inner`` in the dtype the server expects for it (``specs``: the
-    wire specs, by name). A float32 trainer updating a bfloat16 server sends bfloat16 tensors;
-    the cast is the only thing between trainer and server, and it is what the server would do
-    itself on load (round to nearest)."""
-
-    def __init__(self, inner: WeightSink, specs: Sequence[ParamSpec]) -> None:
-        self.inner = inner
-        self.dtypes = {s.name: TORCH_DTYPES[s.dtype] for s in specs}
-
-    def send(self, name: str, tensor: torch.Tensor) -> None:
-        want = self.dtypes.get(name)
-        if want is None:
-            raise AssertionError(f"the trainer sent {name!r}, which is not in param_specs()")
-        self.inner.send(name, tensor if tensor.dtype == want else tensor.to(want))
 
 
 def wire_specs(
@@ -144,11 +125,10 @@ class CrossCheckTests:
                     assert not moved, f"the step left the logprobs within the {dtype} tolerance ({msg}): vacuous"
 
                     version = info.version + 1
-                    publisher = WeightPublisher([client], bucket_bytes=64 << 10)
+                    publisher = WeightPublisher([client])  # the loop's bucket size and mode
                     await publisher.connect()
                     try:
-                        async with publisher.update(version, wire) as sink:
-                            await asyncio.to_thread(trainer.gather_and_broadcast, CastingSink(sink, wire))
+                        await publish_weights(trainer, publisher, version, wire)
                     finally:
                         await publisher.close()
                     assert (await client.info()).version == version
