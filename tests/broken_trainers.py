@@ -167,6 +167,13 @@ class Bf16OnlyTrainer(ReferenceTrainer):
     capabilities = BF16_ONLY
 
 
+class WorldSize1Trainer(ReferenceTrainer):
+    """NOT broken: the reference trainer declaring ``max_world_size=1``: its world-size-2 checks
+    are skipped for a requirement a loop does not need, so it reaches ``loop``, not ``full``."""
+
+    capabilities = dataclasses.replace(TRAINER, max_world_size=1)
+
+
 class Bf16DivergingStepTrainer(DivergingStepTrainer):
     """A bfloat16-only trainer stepping at twice the spec's lr (reports the spec's). Caught by
     ``test_step_equals_plain_adamw`` run in bfloat16."""
@@ -226,7 +233,7 @@ CAUGHT_BY: dict[str, tuple[str, str]] = {
     ),
     "broken-drifting-rank": (
         "test_world_size_2_step_equals_world_size_1",
-        "rank 1 of 2 after 3 steps: forward vs reference",
+        "rank 1 of 2 after 3 steps: forward vs rank 0",
     ),
     "broken-bf16-diverging-step": (
         "test_step_equals_plain_adamw",
@@ -234,7 +241,7 @@ CAUGHT_BY: dict[str, tuple[str, str]] = {
     ),
 }
 #: Backends that must PASS the checks of :data:`CAUGHT_BY` (controls of the twins above).
-CONTROLS = ("reference", "bf16-only")
+CONTROLS = ("reference", "bf16-only", "ws1-only")
 #: Broken trainers caught by the cross check (a trainer and the reference server), not by the
 #: trainer checks: backend -> (check, message).
 CAUGHT_BY_CROSS: dict[str, tuple[str, str]] = {
@@ -256,6 +263,7 @@ _FACTORIES = {
     "broken-bf16-diverging-step": (Bf16DivergingStepTrainer, "bfloat16 only, AdamW at twice the spec's lr"),
     "broken-stale-lend": (StaleLendTrainer, "lends the weights of init to a zero-copy sink"),
     "bf16-only": (Bf16OnlyTrainer, "NOT broken: the reference trainer, bfloat16 only"),
+    "ws1-only": (WorldSize1Trainer, "NOT broken: the reference trainer, max_world_size=1"),
 }
 
 

@@ -9,7 +9,10 @@ server with :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests
 would no longer know the served weights); the server fixture is per module, so a module of its
 own is enough.
 
-The trainer runs at world size 1, in this process, in float32.
+The trainer runs at world size 1, in this process, in the dtype of its checks (float32 if it
+declares it); the update goes through :func:`~pipelinerl_sdk.pipeline.publish.publish_weights`,
+the function ``pipelinerl run`` calls after every step (the publisher's sender itself, so a
+trainer that lends its params is checked on its zero-copy path).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 from pipelinerl_sdk.conformance.inference import arun, greedy
 from pipelinerl_sdk.conformance.mirror import compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest, TrainerTarget
-from pipelinerl_sdk.conformance.trainer import CompletionNLL, open_trainer
+from pipelinerl_sdk.conformance.trainer import TRAINER_TOLERANCES, CompletionNLL, check_dtype, open_trainer
 from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
 from pipelinerl_sdk.pipeline.publish import CastingSink, publish_weights
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec
@@ -67,32 +70,34 @@ def _sequence(resp: ChatCompletionResponse) -> tuple[list[int], int]:
 
 
 class CrossCheckTests:
-    """Trainer and inference server together: ``trainer_target`` (world size 1, in-process, float32)
-    and ``server_under_test``."""
+    """Trainer and inference server together: ``trainer_target`` (world size 1, in-process) and
+    ``server_under_test``."""
 
     @pytest.fixture(autouse=True)
     def _trainer_selected(self, trainer_target: TrainerTarget | None) -> None:
         if trainer_target is None:
-            pytest.skip("no trainer backend selected: pass --backend NAME of a registered trainer backend")
-        if "float32" not in trainer_target.capabilities.dtypes:
-            pytest.skip(f"{trainer_target.id} does not declare dtype:float32")
+            pytest.skip(
+                "no trainer backend selected: pass --backend NAME of a registered trainer backend "
+                "(e.g. --backend=trainer:reference)"
+            )
 
     def test_server_expects_the_trainers_params(
         self, trainer_target: TrainerTarget, server_under_test: ServerUnderTest
     ) -> None:
         """The params the server expects in an update (``/info``) are exactly the trainer's
         ``param_specs()``: the same HF names and shapes; dtypes equal, unless the server serves
-        another dtype than float32, and then each differing param is in the server's dtype (the
-        update casts, see :class:`CastingSink`)."""
+        another dtype than the trainer trains in, and then each differing param is in the
+        server's dtype (the update casts, see :class:`CastingSink`)."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
                 info = await client.info()
-            with open_trainer(trainer_target, TrainerSpec(model=str(server_under_test.model_dir))) as trainer:
+            spec = TrainerSpec(model=str(server_under_test.model_dir), dtype=check_dtype(trainer_target))
+            with open_trainer(trainer_target, spec) as trainer:
                 specs = trainer.param_specs()
             wire = wire_specs(specs, info.params, server_under_test.dtype)
-            if server_under_test.dtype == "float32":
-                assert wire == specs, "a float32 server expects other dtypes than the float32 trainer has"
+            if server_under_test.dtype == spec.dtype:
+                assert wire == specs, f"a {spec.dtype} server expects other dtypes than the {spec.dtype} trainer has"
 
         arun(body)
 
@@ -108,14 +113,17 @@ class CrossCheckTests:
         (:func:`~pipelinerl_sdk.conformance.mirror.compare`). The step is first shown to move the
         trainer's logprobs beyond that tolerance, so a server that kept its old weights fails."""
         caps = server_under_test.capabilities
-        dtype = server_under_test.dtype
-        spec = TrainerSpec(model=str(server_under_test.model_dir), dtype="float32", lr=CROSS_LR, grad_clip=None)
+        trainer_dtype = check_dtype(trainer_target)
+        lr = CROSS_LR if trainer_dtype == "float32" else TRAINER_TOLERANCES[trainer_dtype].lr
+        spec = TrainerSpec(model=str(server_under_test.model_dir), dtype=trainer_dtype, lr=lr, grad_clip=None)
+        # compared within the tolerance of the narrower of the two dtypes
+        dtype = server_under_test.dtype if trainer_dtype == "float32" else trainer_dtype
 
         async def body() -> None:
             async with server_under_test.client() as client:
                 with open_trainer(trainer_target, spec) as trainer:
                     info = await client.info()
-                    wire = wire_specs(trainer.param_specs(), info.params, dtype)
+                    wire = wire_specs(trainer.param_specs(), info.params, server_under_test.dtype)
                     seq0, n0 = _sequence(await greedy(client, prompt_logprobs=False))
                     batch0 = TokenBatch(input_ids=[seq0], completion_start=[n0])
                     before = trainer.forward(batch0)[0]

@@ -92,12 +92,16 @@ class TrainerTolerance:
     lr: float
 
 
-#: By the trainer's dtype. bfloat16 figures measured on the tiny model with the reference trainer
-#: (padded batch vs one unpadded sequence, bf16 matmuls): forward max 0.063 / mean 0.010; step
-#: error 0.011 of the step; grad norm rel 2e-3.
+#: By the trainer's dtype. bfloat16, measured on the tiny model with the reference trainer
+#: declaring bfloat16 only (``tests/conformance_margins.py``): forward 0 (the same kernels as the
+#: plain model; the bound leaves room for other kernels and reduction orders, half the server's
+#: bfloat16 bound); step error 0.041 of the step after the two plain steps, 0.024 after the three
+#: clipped ones (bfloat16 gradients and rounding); grad norm rel 5.3e-3. A step at twice the lr is
+#: ~1.0 off: the bound 0.15 sits 3.7x above a correct step and ~6.7x below that twin; an lr off by
+#: less than ~15% is not told from bfloat16 rounding (float32 checks catch it).
 TRAINER_TOLERANCES: dict[str, TrainerTolerance] = {
     "float32": TrainerTolerance(FORWARD_ATOL, FORWARD_ATOL, PARAM_ATOL, None, GRAD_NORM_RTOL, 1e-4),
-    "bfloat16": TrainerTolerance(0.25, 0.04, None, 0.05, 2e-2, 1e-2),
+    "bfloat16": TrainerTolerance(0.25, 0.025, None, 0.15, 2e-2, 1e-2),
 }
 #: Dtypes a check may run in, in order of preference.
 CHECK_DTYPES = ("float32", "bfloat16")
@@ -763,9 +767,9 @@ class TrainerContractTests:
         rank reports, at every step, the true global pre-clip norm of the summed gradient (rel.
         1e-5: averaged, local or per-rank clipped gradients fail here, by 2x or more); rank 0's
         gathered params equal the plain reference (``clip_grad_norm_`` + AdamW at world size 1)
-        within 1e-6, in the same order as at world size 1; and *every* rank's forward of the
-        whole probe batch after the steps equals the reference's (max 1e-5): no rank's weights
-        drift from the others'."""
+        within 1e-6, in the same order as at world size 1; and every other rank's forward of the
+        whole probe batch after the steps equals rank 0's (max 1e-5): no rank's weights drift
+        from rank 0's (whose weights are the reference's)."""
         r = world_size_runs(trainer_target, conformance_model)
         ref, dtype = r.reference, r.dtype
         for rank, out in enumerate(r.ws2):
@@ -778,12 +782,9 @@ class TrainerContractTests:
             rank0["params"], ref.params, "rank 0 of 2 after 3 clipped steps vs the plain reference",
             dtype=dtype, initial=ref.initial,
         )  # fmt: skip
-        for rank, out in enumerate(r.ws2):
+        for rank, out in enumerate(r.ws2[1:], start=1):
             assert_forward_close(
-                out["probe_after"],
-                ref.probe_logprobs,
-                f"rank {rank} of 2 after 3 steps: forward vs the reference",
-                dtype,
+                out["probe_after"], rank0["probe_after"], f"rank {rank} of 2 after 3 steps: forward vs rank 0", dtype
             )
 
     @pytest.mark.requires("world_size:2")
