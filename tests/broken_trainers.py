@@ -95,28 +95,32 @@ class IgnoresClipTrainer(ReferenceTrainer):
             self._spec = spec
 
 
+def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The total 2-norm as ``clip_grad_norm_`` computes it (norm of the per-tensor norms)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in pieces]))
+
+
 class _Step(ReferenceTrainer):
     """The reference step spelled out, with the hooks the distributed twins below get wrong."""
 
-    def _reduce(self, flat: torch.Tensor, step: int) -> torch.Tensor:
+    def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the gradient this rank steps on, the global sum it clips by)."""
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        return flat
+        return flat, flat
 
-    def _clip_norm(self, local: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
-        return reduced.norm()
+    def _clip_norm(self, local: list[torch.Tensor], total: list[torch.Tensor]) -> torch.Tensor:
+        return _norm(total)
 
     def step(self) -> StepMetrics:
         model, optimizer, spec = self._require()
         params = [p for p in model.parameters() if p.requires_grad]
-        local = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        flat = self._reduce(local.clone(), self._steps + 1) if self.world_size > 1 else local.clone()
-        norm = self._clip_norm(local, flat)
-        if spec.grad_clip is not None:
-            flat.mul_(torch.clamp(spec.grad_clip / (norm + 1e-6), max=1.0))
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        sizes = [p.numel() for p in params]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        use, total = self._reduce(flat.clone(), self._steps + 1) if self.world_size > 1 else (flat, flat)
+        norm = self._clip_norm(list(flat.split(sizes)), list(total.split(sizes)))
+        coef = torch.clamp(spec.grad_clip / (norm + 1e-6), max=1.0) if spec.grad_clip is not None else 1.0
+        for p, g in zip(params, use.split(sizes), strict=True):
+            p.grad = (g * coef).view_as(p).clone()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self._steps += 1
@@ -128,33 +132,31 @@ class LocalClipTrainer(_Step):
     all-reduce, as a per-rank clipping hook would) and reports it. Identical to the reference at
     world size 1. Caught by ``test_world_size_2_step_equals_world_size_1``."""
 
-    def _clip_norm(self, local: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
-        return local.norm()
+    def _clip_norm(self, local: list[torch.Tensor], total: list[torch.Tensor]) -> torch.Tensor:
+        return _norm(local)
 
 
 class AveragingTrainer(_Step):
     """Averages gradients across ranks (DDP's default) where the Objective contract says sum: at
     world size 2 every gradient is halved. Caught by ``test_world_size_2_step_equals_world_size_1``."""
 
-    def _reduce(self, flat: torch.Tensor, step: int) -> torch.Tensor:
+    def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        return flat / dist.get_world_size()
+        flat /= dist.get_world_size()
+        return flat, flat
 
 
 class DriftingRankTrainer(_Step):
-    """Rank 1 takes part in the all-reduce of step 2 but steps on its own local gradient (a
+    """Rank 1 takes part in the all-reduce of step 3 but steps on its own local gradient (a
     reduce into a copy it then drops), while clipping with and reporting the global norm: rank 0
-    stays exact, rank 1's weights drift from then on. Caught by
-    ``test_world_size_2_step_equals_world_size_1`` (rank 1's forward)."""
+    is exact and every reported norm true, only rank 1's weights drift (the check's last step:
+    from then on rank 1 would also corrupt the summed gradients). Caught by
+    ``test_world_size_2_step_equals_world_size_1`` (rank 1's forward vs rank 0's)."""
 
-    def _reduce(self, flat: torch.Tensor, step: int) -> torch.Tensor:
+    def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         reduced = flat.clone()
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-        self._global_norm = reduced.norm()
-        return flat if step == 2 and dist.get_rank() == 1 else reduced
-
-    def _clip_norm(self, local: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
-        return self._global_norm if self.world_size > 1 else reduced.norm()
+        return (flat if step == 3 and dist.get_rank() == 1 else reduced), reduced
 
 
 BF16_ONLY = dataclasses.replace(TRAINER, dtypes=frozenset({"bfloat16"}))
@@ -259,7 +261,7 @@ _FACTORIES = {
     "broken-ignores-clip": (IgnoresClipTrainer, "never clips gradients"),
     "broken-local-clip": (LocalClipTrainer, "clips with the rank-local gradient norm"),
     "broken-averages-grads": (AveragingTrainer, "averages gradients across ranks instead of summing"),
-    "broken-drifting-rank": (DriftingRankTrainer, "rank 1 steps on its local gradient at step 2"),
+    "broken-drifting-rank": (DriftingRankTrainer, "rank 1 steps on its local gradient at step 3"),
     "broken-bf16-diverging-step": (Bf16DivergingStepTrainer, "bfloat16 only, AdamW at twice the spec's lr"),
     "broken-stale-lend": (StaleLendTrainer, "lends the weights of init to a zero-copy sink"),
     "bf16-only": (Bf16OnlyTrainer, "NOT broken: the reference trainer, bfloat16 only"),

@@ -71,8 +71,9 @@ class CheckResult:
         return "verified" if self.passed else "not run"
 
     def loop_ok(self) -> bool:
-        """Passed where run; every skip for a requirement the loop does not need; something ran."""
-        return not self.failed and self.passed > 0 and all(r is not None and not r.loop for _, r in self.skipped)
+        """Passed where run; every skip for a requirement the loop does not need; not "not run"."""
+        optional = all(r is not None and not r.loop for _, r in self.skipped)
+        return not self.failed and (self.passed > 0 or bool(self.skipped)) and optional
 
     def full_ok(self) -> bool:
         return not self.failed and not self.skipped and self.passed > 0

@@ -10,7 +10,9 @@ logprobs are the mirror's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -32,7 +34,39 @@ class _Interrupted(Exception):
     """Raised by the machine's own sender half-way through a broadcast."""
 
 
-def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMachine]:
+@dataclass
+class Coverage:
+    """What the examples of one run reached: the rules of each example, in order."""
+
+    examples: list[list[str]] = field(default_factory=list)
+
+    def pairs(self) -> set[tuple[str, str]]:
+        """Distinct consecutive (rule, next rule) pairs over all examples."""
+        return {(a, b) for ex in self.examples for a, b in itertools.pairwise(ex)}
+
+    def interleaved(self) -> int:
+        """Examples in which a generation follows an update and a refused update follows an
+        update (or the other way round): the interleavings the machine is for."""
+
+        def mixed(ex: list[str]) -> bool:
+            kinds = [k for k in ex if k in ("generate", "update", "bad_update")]
+            return {"generate", "update", "bad_update"} <= set(kinds) and any(
+                a != b for a, b in itertools.pairwise(kinds)
+            )
+
+        return sum(mixed(ex) for ex in self.examples)
+
+    def describe(self) -> str:
+        steps = sum(len(ex) for ex in self.examples)
+        return (
+            f"{len(self.examples)} examples, {steps} steps, {len(self.pairs())} distinct rule pairs, "
+            f"{self.interleaved()} examples interleaving generate/update/bad_update"
+        )
+
+
+def build_machine(
+    sut: ServerUnderTest, mirror: Mirror, coverage: Coverage | None = None
+) -> type[RuleBasedStateMachine]:
     class ServerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -40,6 +74,9 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
             self.version = info.version
             self.group_healthy = info.group is not None and not info.group.broken
             self.interruptions = 0
+            self.trace: list[str] = []
+            if coverage is not None:
+                coverage.examples.append(self.trace)
 
         async def _info(self) -> Any:
             async with sut.client() as client:
@@ -47,6 +84,8 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
 
         @rule(n=st.integers(1, 3), max_tokens=st.integers(1, 8))
         def generate(self, n: int, max_tokens: int) -> None:
+            self.trace.append("generate")
+
             async def body() -> None:
                 async with sut.client() as client:
                     resp = await greedy(client, prompt_logprobs=sut.capabilities.prompt_logprobs, max_tokens=max_tokens)
@@ -62,6 +101,8 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
 
         @rule(seed=st.integers(0, 2**16))
         def update(self, seed: int) -> None:
+            self.trace.append("update")
+
             async def body() -> None:
                 async with sut.client() as client:
                     publisher = WeightPublisher([client], bucket_bytes=32 << 10)
@@ -81,6 +122,8 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
             )
         )
         def bad_update(self, kind: str) -> None:
+            self.trace.append("bad_update")
+
             async def body() -> None:
                 async with sut.client() as client:
                     info = await client.info()
@@ -99,6 +142,7 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
         @rule(seed=st.integers(0, 2**16))
         def interrupted_update(self, seed: int) -> None:
             """The trainer's sender fails half-way: the server must end up exactly as before."""
+            self.trace.append("interrupted_update")
             before = mirror.state()
 
             async def body() -> None:
@@ -134,23 +178,32 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
 
 
 class StatefulContractTests:
-    """The state machine, on ``server_under_test``."""
+    """The state machine, on ``server_under_test``. ``max_examples`` x ``step_count`` bounds its
+    cost (an example with an interrupted update waits ~:data:`INTERRUPT_TIMEOUT_S`)."""
+
+    max_examples = 12
+    step_count = 10
 
     def test_any_interleaving_keeps_the_server_consistent(
-        self, server_under_test: ServerUnderTest, mirror: Mirror
+        self, server_under_test: ServerUnderTest, mirror: Mirror, record_property: Any
     ) -> None:
         """Random interleavings of generate / update / bad update / interrupted update: the server
-        always serves exactly the model's version and weights, never stays paused."""
-        machine = build_machine(server_under_test, mirror)
-        run_state_machine_as_test(
-            machine,
-            # No shrinking: the server's state outlives an example, so a replay is not a re-run.
-            settings=settings(
-                max_examples=3,
-                stateful_step_count=6,
-                deadline=None,
-                database=None,
-                phases=(Phase.explicit, Phase.generate),
-                report_multiple_bugs=False,
-            ),
-        )
+        always serves exactly the model's version and weights, never stays paused. What the
+        examples reached is recorded (``stateful_coverage``)."""
+        coverage = Coverage()
+        machine = build_machine(server_under_test, mirror, coverage)
+        try:
+            run_state_machine_as_test(
+                machine,
+                # No shrinking: the server's state outlives an example, so a replay is not a re-run.
+                settings=settings(
+                    max_examples=self.max_examples,
+                    stateful_step_count=self.step_count,
+                    deadline=None,
+                    database=None,
+                    phases=(Phase.explicit, Phase.generate),
+                    report_multiple_bugs=False,
+                ),
+            )
+        finally:
+            record_property("stateful_coverage", coverage.describe())
