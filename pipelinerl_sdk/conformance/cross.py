@@ -12,12 +12,15 @@ own is enough.
 The trainer runs at world size 1, in this process, in the dtype of its checks (float32 if it
 declares it); the update goes through :func:`~pipelinerl_sdk.pipeline.publish.publish_weights`,
 the function ``pipelinerl run`` calls after every step (the publisher's sender itself, so a
-trainer that lends its params is checked on its zero-copy path).
+trainer that lends its params is checked on its zero-copy path), at world size 1 and, for a
+trainer that declares ``world_size:2``, from two spawned ranks as ``pipelinerl run`` makes them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 
@@ -25,9 +28,11 @@ from pipelinerl_sdk.conformance.inference import arun, greedy
 from pipelinerl_sdk.conformance.mirror import compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest, TrainerTarget
 from pipelinerl_sdk.conformance.trainer import TRAINER_TOLERANCES, CompletionNLL, check_dtype, open_trainer
-from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
+from pipelinerl_sdk.contracts import TokenBatch, TrainerBackend, TrainerSpec
+from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.pipeline.publish import CastingSink, publish_weights
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec
+from pipelinerl_sdk.trainer_group import RankContext, run_ranks
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
 #: The step of the cross check: large enough that the logprobs move far beyond the tolerance of
@@ -104,58 +109,125 @@ class CrossCheckTests:
     def test_trained_weights_reach_the_server(
         self, trainer_target: TrainerTarget, server_under_test: ServerUnderTest
     ) -> None:
-        """The trainer takes a real step (AdamW, lr :data:`CROSS_LR`, on the server's own greedy completion),
-        publishes it with :class:`~pipelinerl_sdk.weights.publisher.WeightPublisher` and
-        ``trainer.gather_and_broadcast`` (cast to the server's dtype if it differs); then the
-        server's greedy completion carries the new version on every token, and its completion
-        logprobs (and prompt logprobs, if it declares ``prompt_logprobs``) equal the trainer's
-        ``forward`` on the same tokens within the tolerance of the server's dtype
-        (:func:`~pipelinerl_sdk.conformance.mirror.compare`). The step is first shown to move the
-        trainer's logprobs beyond that tolerance, so a server that kept its old weights fails."""
-        caps = server_under_test.capabilities
-        trainer_dtype = check_dtype(trainer_target)
-        lr = CROSS_LR if trainer_dtype == "float32" else TRAINER_TOLERANCES[trainer_dtype].lr
-        spec = TrainerSpec(model=str(server_under_test.model_dir), dtype=trainer_dtype, lr=lr, grad_clip=None)
-        # compared within the tolerance of the narrower of the two dtypes
-        dtype = server_under_test.dtype if trainer_dtype == "float32" else trainer_dtype
+        """The trainer takes a real step (AdamW, lr :data:`CROSS_LR`, on the server's own greedy
+        completion), publishes it with :func:`~pipelinerl_sdk.pipeline.publish.publish_weights`
+        (what ``pipelinerl run`` calls: the loop's publisher, bucket size and sender, cast to
+        the server's dtype if it differs); then the server's greedy completion carries the new
+        version on every token, and its completion logprobs (and prompt logprobs, if it declares
+        ``prompt_logprobs``) equal the trainer's ``forward`` on the same tokens within the
+        tolerance of the narrower dtype (:func:`~pipelinerl_sdk.conformance.mirror.compare`). The
+        step is first shown to move the trainer's logprobs beyond that tolerance, so a server that
+        kept its old weights fails."""
+        _check_update(trainer_target, server_under_test, world_size=1)
 
-        async def body() -> None:
-            async with server_under_test.client() as client:
-                with open_trainer(trainer_target, spec) as trainer:
-                    info = await client.info()
-                    wire = wire_specs(trainer.param_specs(), info.params, server_under_test.dtype)
-                    seq0, n0 = _sequence(await greedy(client, prompt_logprobs=False))
-                    batch0 = TokenBatch(input_ids=[seq0], completion_start=[n0])
-                    before = trainer.forward(batch0)[0]
-                    trainer.backward(batch0, CompletionNLL(1))
-                    trainer.step()
-                    moved, msg = compare(trainer.forward(batch0)[0].tolist(), before, dtype)
-                    assert not moved, f"the step left the logprobs within the {dtype} tolerance ({msg}): vacuous"
+    @pytest.mark.requires("world_size:2")
+    def test_trained_weights_reach_the_server_from_2_ranks(
+        self, trainer_target: TrainerTarget, server_under_test: ServerUnderTest
+    ) -> None:
+        """The loop's world-size-2 path: two spawned ranks as ``pipelinerl run`` makes them (rank
+        0 a :class:`~pipelinerl_sdk.pipeline.ranks.LeaderTrainer` mirroring init, backward on
+        shards, step and gather to rank 1, which runs :func:`~pipelinerl_sdk.pipeline.ranks.follow`);
+        rank 0 publishes with ``publish_weights``. The server then computes what the same step
+        at world size 1 in this process computes (as in ``test_trained_weights_reach_the_server``)."""
+        _check_update(trainer_target, server_under_test, world_size=2)
 
-                    version = info.version + 1
+
+@dataclass(frozen=True, slots=True)
+class LoopPublishJob:
+    """What each spawned rank of :func:`loop_publish_rank` needs (picklable)."""
+
+    backend: str
+    spec: TrainerSpec
+    batch: TokenBatch
+    url: str
+    control_token: str
+    version: int
+    wire: tuple[ParamSpec, ...]
+
+
+def loop_publish_rank(ctx: RankContext, job: LoopPublishJob) -> int:
+    """One rank of the loop's trainer: rank 0 steps through a LeaderTrainer and publishes, the
+    others follow (module level: spawned ranks unpickle it)."""
+    from pipelinerl_sdk.pipeline.ranks import LeaderTrainer, follow
+    from pipelinerl_sdk.plugins import load_registry
+
+    trainer: TrainerBackend = load_registry().factory("trainer", job.backend)()
+    if ctx.rank != 0:
+        return follow(trainer)
+    leader = LeaderTrainer(trainer)
+    leader.init(job.spec)
+    try:
+        leader.backward(job.batch, CompletionNLL(len(job.batch)))
+        leader.step()
+
+        async def publish() -> None:
+            async with InferenceClient(job.url, control_token=job.control_token) as client:
+                publisher = WeightPublisher([client])
+                await publisher.connect()
+                try:
+                    await publish_weights(leader, publisher, job.version, job.wire)
+                finally:
+                    await publisher.close()
+
+        asyncio.run(publish())
+    finally:
+        leader.close()
+    return 1
+
+
+def _check_update(trainer_target: TrainerTarget, sut: ServerUnderTest, *, world_size: int) -> None:
+    caps = sut.capabilities
+    trainer_dtype = check_dtype(trainer_target)
+    lr = CROSS_LR if trainer_dtype == "float32" else TRAINER_TOLERANCES[trainer_dtype].lr
+    spec = TrainerSpec(model=str(sut.model_dir), dtype=trainer_dtype, lr=lr, grad_clip=None)
+    # compared within the tolerance of the narrower of the two dtypes
+    dtype = sut.dtype if trainer_dtype == "float32" else trainer_dtype
+
+    async def body() -> None:
+        async with sut.client() as client:
+            with open_trainer(trainer_target, spec) as trainer:
+                info = await client.info()
+                wire = wire_specs(trainer.param_specs(), info.params, sut.dtype)
+                seq0, n0 = _sequence(await greedy(client, prompt_logprobs=False))
+                # two copies: one per rank at world size 2, the same gradient as one copy alone
+                batch0 = TokenBatch(input_ids=[seq0, seq0], completion_start=[n0, n0])
+                before = trainer.forward(batch0)[0]
+                trainer.backward(batch0, CompletionNLL(len(batch0)))
+                trainer.step()
+                moved, msg = compare(trainer.forward(batch0)[0].tolist(), before, dtype)
+                assert not moved, f"the step left the logprobs within the {dtype} tolerance ({msg}): vacuous"
+
+                version = info.version + 1
+                if world_size == 1:
                     publisher = WeightPublisher([client])  # the loop's bucket size and mode
                     await publisher.connect()
                     try:
                         await publish_weights(trainer, publisher, version, wire)
                     finally:
                         await publisher.close()
-                    assert (await client.info()).version == version
+                else:
+                    job = LoopPublishJob(
+                        trainer_target.name, spec, batch0, sut.url, sut.control_token, version, tuple(wire)
+                    )
+                    await asyncio.to_thread(run_ranks, world_size, loop_publish_rank, job, timeout_s=300)
+                assert (await client.info()).version == version
 
-                    resp = await greedy(client, prompt_logprobs=caps.prompt_logprobs)
-                    choice = resp.choices[0]
-                    assert set(choice.weight_versions) == {version}, choice.weight_versions
-                    seq, n_prompt = _sequence(resp)
-                    want = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[n_prompt]))[0]
-            assert choice.logprobs is not None, "logprobs requested but missing"
-            ok, msg = compare([t.logprob for t in choice.logprobs.content], want[n_prompt - 1 :], dtype)
-            assert ok, f"completion logprobs: server and trainer disagree after the update: {msg}"
-            if caps.prompt_logprobs:
-                assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
-                got = [x for x in resp.prompt_logprobs[1:] if x is not None]
-                ok, msg = compare(got, want[: n_prompt - 1], dtype)
-                assert ok, f"prompt logprobs: server and trainer disagree after the update: {msg}"
+                resp = await greedy(client, prompt_logprobs=caps.prompt_logprobs)
+                choice = resp.choices[0]
+                assert set(choice.weight_versions) == {version}, choice.weight_versions
+                seq, n_prompt = _sequence(resp)
+                want = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[n_prompt]))[0]
+        assert choice.logprobs is not None, "logprobs requested but missing"
+        where = f"world size {world_size}: " if world_size > 1 else ""
+        ok, msg = compare([t.logprob for t in choice.logprobs.content], want[n_prompt - 1 :], dtype)
+        assert ok, f"completion logprobs: {where}server and trainer disagree after the update: {msg}"
+        if caps.prompt_logprobs:
+            assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
+            got = [x for x in resp.prompt_logprobs[1:] if x is not None]
+            ok, msg = compare(got, want[: n_prompt - 1], dtype)
+            assert ok, f"prompt logprobs: {where}server and trainer disagree after the update: {msg}"
 
-        arun(body)
+    arun(body)
 
 
-__all__ = ["CROSS_LR", "CastingSink", "CrossCheckTests", "wire_specs"]
+__all__ = ["CROSS_LR", "CastingSink", "CrossCheckTests", "LoopPublishJob", "loop_publish_rank", "wire_specs"]

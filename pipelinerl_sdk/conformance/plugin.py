@@ -175,13 +175,19 @@ def _subject(item: pytest.Item) -> InferenceTarget | TrainerTarget | None:
     return params.get("trainer_target")
 
 
+def _trainer_of(item: pytest.Item) -> TrainerTarget | None:
+    params: dict[str, Any] = getattr(getattr(item, "callspec", None), "params", {})
+    found: TrainerTarget | None = params.get("trainer_target")
+    return found
+
+
 def _resolve_requirements(config: pytest.Config, item: pytest.Item) -> None:
     """Skip ``item`` now if its backend does not declare what it ``requires`` (a URL target is
-    resolved later, from its ``/info``)."""
-    subject = _subject(item)
-    if subject is None or subject.capabilities is None:
-        return
+    resolved later, from its ``/info``). ``world_size:N`` is always the trainer's."""
     for cap in [c for m in item.iter_markers("requires") for c in m.args]:
+        subject = _trainer_of(item) if cap.startswith("world_size:") else _subject(item)
+        if subject is None or subject.capabilities is None:
+            continue
         ok, reason = capability_satisfied(subject, cap)
         if not ok:
             item.add_marker(pytest.mark.skip(reason=f"{subject.id} does not declare {cap}: {reason}"))
