@@ -44,10 +44,19 @@ class InferenceCapabilities:
     group_backends: frozenset[GroupBackend] = frozenset({"gloo"})
     #: Requests running when an update arrives finish, later tokens tagged with the new version.
     in_flight_updates: bool = True
+    #: Every completion token carries the weight version that computed it. Not optional: the
+    #: wire type requires ``weight_versions`` and the loop's lag control reads it; only True.
     per_token_versions: bool = True
     prompt_logprobs: bool = False
     top_logprobs: bool = False
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
+
+    def __post_init__(self) -> None:
+        if self.per_token_versions is not True:
+            raise ValueError(
+                "per_token_versions: must be True (every completion token carries its weight version: "
+                "the chat response's weight_versions field is required by the protocol)"
+            )
 
 
 def capabilities_to_dict(caps: InferenceCapabilities | TrainerCapabilities) -> dict[str, Any]:

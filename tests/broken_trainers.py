@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
-from pipelinerl_sdk.contracts import StepMetrics, WeightSink
+from pipelinerl_sdk.contracts import StepMetrics, TrainerSpec, WeightSink, lend
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 from pipelinerl_sdk.reference.capabilities import TRAINER
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
@@ -81,6 +82,126 @@ class WholeModelGatherTrainer(ReferenceTrainer):
                 sink.send(name, tensor)
 
 
+class IgnoresClipTrainer(ReferenceTrainer):
+    """Never clips (``grad_clip`` read as None: a config key lost on the way to the optimizer);
+    reports the true pre-clip norm. Caught by ``test_clipped_steps_equal_adamw_with_clip_grad_norm``."""
+
+    def step(self) -> StepMetrics:
+        spec = self._require()[2]
+        self._spec = dataclasses.replace(spec, grad_clip=None)
+        try:
+            return super().step()
+        finally:
+            self._spec = spec
+
+
+def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The total 2-norm as ``clip_grad_norm_`` computes it (norm of the per-tensor norms)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in pieces]))
+
+
+class _Step(ReferenceTrainer):
+    """The reference step spelled out, with the hooks the distributed twins below get wrong."""
+
+    def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the gradient this rank steps on, the global sum it clips by)."""
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        return flat, flat
+
+    def _clip_norm(self, local: list[torch.Tensor], total: list[torch.Tensor]) -> torch.Tensor:
+        return _norm(total)
+
+    def step(self) -> StepMetrics:
+        model, optimizer, spec = self._require()
+        params = [p for p in model.parameters() if p.requires_grad]
+        sizes = [p.numel() for p in params]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        use, total = self._reduce(flat.clone(), self._steps + 1) if self.world_size > 1 else (flat, flat)
+        norm = self._clip_norm(list(flat.split(sizes)), list(total.split(sizes)))
+        coef = torch.clamp(spec.grad_clip / (norm + 1e-6), max=1.0) if spec.grad_clip is not None else 1.0
+        for p, g in zip(params, use.split(sizes), strict=True):
+            p.grad = (g * coef).view_as(p).clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self._steps += 1
+        return StepMetrics(step=self._steps, grad_norm=float(norm), lr=float(optimizer.param_groups[0]["lr"]))
+
+
+class LocalClipTrainer(_Step):
+    """Reduces the gradients but clips with the rank's *local* gradient norm (computed before the
+    all-reduce, as a per-rank clipping hook would) and reports it. Identical to the reference at
+    world size 1. Caught by ``test_world_size_2_step_equals_world_size_1``."""
+
+    def _clip_norm(self, local: list[torch.Tensor], total: list[torch.Tensor]) -> torch.Tensor:
+        return _norm(local)
+
+
+class AveragingTrainer(_Step):
+    """Averages gradients across ranks (DDP's default) where the Objective contract says sum: at
+    world size 2 every gradient is halved. Caught by ``test_world_size_2_step_equals_world_size_1``."""
+
+    def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= dist.get_world_size()
+        return flat, flat
+
+
+class DriftingRankTrainer(_Step):
+    """Rank 1 takes part in the all-reduce of step 3 but steps on its own local gradient (a
+    reduce into a copy it then drops), while clipping with and reporting the global norm: rank 0
+    is exact and every reported norm true, only rank 1's weights drift (the check's last step:
+    from then on rank 1 would also corrupt the summed gradients). Caught by
+    ``test_world_size_2_step_equals_world_size_1`` (rank 1's forward vs rank 0's)."""
+
+    def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        reduced = flat.clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return (flat if step == 3 and dist.get_rank() == 1 else reduced), reduced
+
+
+BF16_ONLY = dataclasses.replace(TRAINER, dtypes=frozenset({"bfloat16"}))
+
+
+class Bf16OnlyTrainer(ReferenceTrainer):
+    """NOT broken: the reference trainer declaring bfloat16 only, so every trainer check runs in
+    bfloat16 (the control of :class:`Bf16DivergingStepTrainer`)."""
+
+    capabilities = BF16_ONLY
+
+
+class WorldSize1Trainer(ReferenceTrainer):
+    """NOT broken: the reference trainer declaring ``max_world_size=1``: its world-size-2 checks
+    are skipped for a requirement a loop does not need, so it reaches ``loop``, not ``full``."""
+
+    capabilities = dataclasses.replace(TRAINER, max_world_size=1)
+
+
+class Bf16DivergingStepTrainer(DivergingStepTrainer):
+    """A bfloat16-only trainer stepping at twice the spec's lr (reports the spec's). Caught by
+    ``test_step_equals_plain_adamw`` run in bfloat16."""
+
+    capabilities = BF16_ONLY
+
+
+class StaleLendTrainer(ReferenceTrainer):
+    """The zero-copy path is stale: a sink that can ``lend`` (the SDK's sender, what the pipeline
+    hands ``gather_and_broadcast``) is lent a snapshot of the weights taken at ``init``; any other
+    sink is sent the live params. Every trainer check passes (their sinks have no ``lend``); the
+    loop publishes the initial weights forever. Caught by ``test_trained_weights_reach_the_server``
+    because the cross check publishes through the pipeline's own function."""
+
+    def init(self, spec: TrainerSpec) -> None:
+        super().init(spec)
+        self._snapshot = {n: p.detach().clone() for n, p in self._require()[0].named_parameters()}
+
+    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+        if sink is None or not callable(getattr(sink, "lend", None)):
+            super().gather_and_broadcast(sink)
+            return
+        for name, tensor in self._snapshot.items():
+            lend(sink, name, tensor)
+
+
 #: Backend -> (the check that must fail, text its failure message must contain).
 CAUGHT_BY: dict[str, tuple[str, str]] = {
     "broken-wrong-names": (
@@ -94,11 +215,41 @@ CAUGHT_BY: dict[str, tuple[str, str]] = {
     ),
     "broken-local-grads": (
         "test_world_size_2_step_equals_world_size_1",
-        "world size 2 vs world size 1 after one step: max |diff|",
+        "rank 0 of 2, step 1 vs the summed gradient: reported grad norm",
     ),
     "broken-whole-model-gather": (
         "test_gather_peak_memory_is_one_layer",
         "the gather holds more than one layer at a time",
+    ),
+    "broken-ignores-clip": (
+        "test_clipped_steps_equal_adamw_with_clip_grad_norm",
+        "params after 3 clipped steps",
+    ),
+    "broken-local-clip": (
+        "test_world_size_2_step_equals_world_size_1",
+        "rank 0 of 2, step 1 vs the summed gradient: reported grad norm",
+    ),
+    "broken-averages-grads": (
+        "test_world_size_2_step_equals_world_size_1",
+        "rank 0 of 2, step 1 vs the summed gradient: reported grad norm",
+    ),
+    "broken-drifting-rank": (
+        "test_world_size_2_step_equals_world_size_1",
+        "rank 1 of 2 after 3 steps: forward vs rank 0",
+    ),
+    "broken-bf16-diverging-step": (
+        "test_step_equals_plain_adamw",
+        "params after two steps vs torch AdamW",
+    ),
+}
+#: Backends that must PASS the checks of :data:`CAUGHT_BY` (controls of the twins above).
+CONTROLS = ("reference", "bf16-only", "ws1-only")
+#: Broken trainers caught by the cross check (a trainer and the reference server), not by the
+#: trainer checks: backend -> (check, message).
+CAUGHT_BY_CROSS: dict[str, tuple[str, str]] = {
+    "broken-stale-lend": (
+        "test_trained_weights_reach_the_server",
+        "server and trainer disagree after the update",
     ),
 }
 
@@ -107,12 +258,19 @@ _FACTORIES = {
     "broken-diverging-step": (DivergingStepTrainer, "AdamW at twice the spec's lr (reports the spec's)"),
     "broken-local-grads": (LocalGradsTrainer, "no gradient all-reduce across ranks"),
     "broken-whole-model-gather": (WholeModelGatherTrainer, "copies the whole model before sending any of it"),
+    "broken-ignores-clip": (IgnoresClipTrainer, "never clips gradients"),
+    "broken-local-clip": (LocalClipTrainer, "clips with the rank-local gradient norm"),
+    "broken-averages-grads": (AveragingTrainer, "averages gradients across ranks instead of summing"),
+    "broken-drifting-rank": (DriftingRankTrainer, "rank 1 steps on its local gradient at step 3"),
+    "broken-bf16-diverging-step": (Bf16DivergingStepTrainer, "bfloat16 only, AdamW at twice the spec's lr"),
+    "broken-stale-lend": (StaleLendTrainer, "lends the weights of init to a zero-copy sink"),
+    "bf16-only": (Bf16OnlyTrainer, "NOT broken: the reference trainer, bfloat16 only"),
+    "ws1-only": (WorldSize1Trainer, "NOT broken: the reference trainer, max_world_size=1"),
 }
 
 
 @hookimpl
 def register_backends(registry: BackendRegistry) -> None:
     for name, (cls, description) in _FACTORIES.items():
-        registry.register_trainer_backend(
-            name, f"{__name__}:{cls.__name__}", TRAINER, f"BROKEN on purpose: {description}"
-        )
+        label = description if name in CONTROLS else f"BROKEN on purpose: {description}"
+        registry.register_trainer_backend(name, f"{__name__}:{cls.__name__}", cls.capabilities, label)

@@ -10,7 +10,9 @@ logprobs are the mirror's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -32,7 +34,36 @@ class _Interrupted(Exception):
     """Raised by the machine's own sender half-way through a broadcast."""
 
 
-def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMachine]:
+@dataclass
+class Coverage:
+    """What the examples of one run reached: the rules of each example, in order."""
+
+    examples: list[list[str]] = field(default_factory=list)
+
+    def pairs(self) -> set[tuple[str, str]]:
+        """Distinct consecutive (rule, next rule) pairs over all examples."""
+        return {(a, b) for ex in self.examples for a, b in itertools.pairwise(ex)}
+
+    def interleaved(self) -> int:
+        """Examples with a generation, an update and a refused update all in them (Hypothesis
+        disables a random subset of the rules in each example, swarm testing, so not every
+        example has all three)."""
+        return sum({"generate", "update", "bad_update"} <= set(ex) for ex in self.examples)
+
+    def describe(self) -> str:
+        steps = sum(len(ex) for ex in self.examples)
+        rules = ("generate", "update", "bad_update", "interrupted_update")
+        missed = sorted({(a, b) for a in rules for b in rules} - self.pairs())
+        return (
+            f"{len(self.examples)} examples, {steps} steps, {len(self.pairs())}/16 consecutive rule pairs "
+            f"(missed: {', '.join(f'{a}>{b}' for a, b in missed) or 'none'}), "
+            f"{self.interleaved()} examples with generate, update and bad_update all in them"
+        )
+
+
+def build_machine(
+    sut: ServerUnderTest, mirror: Mirror, coverage: Coverage | None = None
+) -> type[RuleBasedStateMachine]:
     class ServerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -40,6 +71,9 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
             self.version = info.version
             self.group_healthy = info.group is not None and not info.group.broken
             self.interruptions = 0
+            self.trace: list[str] = []
+            if coverage is not None:
+                coverage.examples.append(self.trace)
 
         async def _info(self) -> Any:
             async with sut.client() as client:
@@ -47,6 +81,8 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
 
         @rule(n=st.integers(1, 3), max_tokens=st.integers(1, 8))
         def generate(self, n: int, max_tokens: int) -> None:
+            self.trace.append("generate")
+
             async def body() -> None:
                 async with sut.client() as client:
                     resp = await greedy(client, prompt_logprobs=sut.capabilities.prompt_logprobs, max_tokens=max_tokens)
@@ -62,6 +98,8 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
 
         @rule(seed=st.integers(0, 2**16))
         def update(self, seed: int) -> None:
+            self.trace.append("update")
+
             async def body() -> None:
                 async with sut.client() as client:
                     publisher = WeightPublisher([client], bucket_bytes=32 << 10)
@@ -81,6 +119,8 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
             )
         )
         def bad_update(self, kind: str) -> None:
+            self.trace.append("bad_update")
+
             async def body() -> None:
                 async with sut.client() as client:
                     info = await client.info()
@@ -99,6 +139,7 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
         @rule(seed=st.integers(0, 2**16))
         def interrupted_update(self, seed: int) -> None:
             """The trainer's sender fails half-way: the server must end up exactly as before."""
+            self.trace.append("interrupted_update")
             before = mirror.state()
 
             async def body() -> None:
@@ -134,23 +175,32 @@ def build_machine(sut: ServerUnderTest, mirror: Mirror) -> type[RuleBasedStateMa
 
 
 class StatefulContractTests:
-    """The state machine, on ``server_under_test``."""
+    """The state machine, on ``server_under_test``. ``max_examples`` x ``step_count`` bounds its
+    cost (an example with an interrupted update waits ~:data:`INTERRUPT_TIMEOUT_S`)."""
+
+    max_examples = 12
+    step_count = 10
 
     def test_any_interleaving_keeps_the_server_consistent(
-        self, server_under_test: ServerUnderTest, mirror: Mirror
+        self, server_under_test: ServerUnderTest, mirror: Mirror, record_property: Any
     ) -> None:
         """Random interleavings of generate / update / bad update / interrupted update: the server
-        always serves exactly the model's version and weights, never stays paused."""
-        machine = build_machine(server_under_test, mirror)
-        run_state_machine_as_test(
-            machine,
-            # No shrinking: the server's state outlives an example, so a replay is not a re-run.
-            settings=settings(
-                max_examples=3,
-                stateful_step_count=6,
-                deadline=None,
-                database=None,
-                phases=(Phase.explicit, Phase.generate),
-                report_multiple_bugs=False,
-            ),
-        )
+        always serves exactly the model's version and weights, never stays paused. What the
+        examples reached is recorded (``stateful_coverage``)."""
+        coverage = Coverage()
+        machine = build_machine(server_under_test, mirror, coverage)
+        try:
+            run_state_machine_as_test(
+                machine,
+                # No shrinking: the server's state outlives an example, so a replay is not a re-run.
+                settings=settings(
+                    max_examples=self.max_examples,
+                    stateful_step_count=self.step_count,
+                    deadline=None,
+                    database=None,
+                    phases=(Phase.explicit, Phase.generate),
+                    report_multiple_bugs=False,
+                ),
+            )
+        finally:
+            record_property("stateful_coverage", coverage.describe())

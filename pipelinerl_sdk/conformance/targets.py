@@ -18,7 +18,7 @@ from pipelinerl_sdk.contracts import (
 from pipelinerl_sdk.errors import PluginError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import log_tail
-from pipelinerl_sdk.plugins import load_registry
+from pipelinerl_sdk.plugins import Kind, load_registry
 
 
 @dataclass(frozen=True)
@@ -109,30 +109,40 @@ class TrainerTarget:
         return f"trainer:{self.name}"
 
 
+KINDS: tuple[Kind, ...] = ("inference", "trainer")
+
+
 def resolve_targets(values: Sequence[str]) -> tuple[list[InferenceTarget], list[TrainerTarget]]:
-    """Split ``--backend`` values into inference and trainer targets; PluginError for a name
-    registered as neither."""
+    """Split ``--backend`` values into inference and trainer targets. ``NAME`` selects every kind
+    it is registered as; ``inference:NAME`` / ``trainer:NAME`` only that kind (PluginError, listing
+    what is installed, for a name not registered as that kind, or as neither). A value selected
+    twice counts once."""
     inference: list[InferenceTarget] = []
     trainers: list[TrainerTarget] = []
     registry = None
-    for value in values:
+    for value in dict.fromkeys(values):
         if value.startswith(("http://", "https://")):
             inference.append(InferenceTarget(value, None))
             continue
+        prefix, sep, rest = value.partition(":")
+        kinds = tuple(k for k in KINDS if k == prefix) if sep and prefix in KINDS else KINDS
+        name = rest if sep and prefix in KINDS else value
         registry = registry or load_registry()
         found = False
-        if value in registry.names("inference"):
-            caps = registry.get("inference", value).capabilities
+        if "inference" in kinds and name in registry.names("inference"):
+            caps = registry.get("inference", name).capabilities
             assert isinstance(caps, InferenceCapabilities)
-            inference.append(InferenceTarget(value, caps))
+            if name not in {t.name for t in inference}:
+                inference.append(InferenceTarget(name, caps))
             found = True
-        if value in registry.names("trainer"):
-            entry = registry.get("trainer", value)
+        if "trainer" in kinds and name in registry.names("trainer"):
+            entry = registry.get("trainer", name)
             assert isinstance(entry.capabilities, TrainerCapabilities)
-            trainers.append(TrainerTarget(value, entry.capabilities, _lazy_factory(value)))
+            if name not in {t.name for t in trainers}:
+                trainers.append(TrainerTarget(name, entry.capabilities, _lazy_factory(name)))
             found = True
         if not found:
-            registry.get("inference", value)  # raises PluginError listing what is installed
+            registry.get(kinds[0], name)  # raises PluginError listing what is installed
     return inference, trainers
 
 

@@ -22,6 +22,7 @@ from pipelinerl_sdk.contracts import TokenBatch, TrainerBackend, TrainerSpec
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.pipeline.actors import Actors, Admission, Group
 from pipelinerl_sdk.pipeline.config import PipelineConfig
+from pipelinerl_sdk.pipeline.publish import publish_weights
 from pipelinerl_sdk.pipeline.tasks import DigitSum, Task, build_base_model, get_task
 from pipelinerl_sdk.plugins import load_registry
 from pipelinerl_sdk.rl.grpo import GRPOObjective
@@ -177,8 +178,7 @@ class Run:
                     if len(mb):
                         train_metrics = await asyncio.to_thread(trainer.backward, mb, objective)
                 stepped = await asyncio.to_thread(trainer.step)
-                async with publisher.update(step + 1, specs) as sink:
-                    await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+                await publish_weights(trainer, publisher, step + 1, specs)
                 await admission.publish(step + 1)
                 assert publisher.last is not None
                 pauses = [e.timings.get("pause_s", 0.0) for e in publisher.last.events.values()]
