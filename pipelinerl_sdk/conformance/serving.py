@@ -17,7 +17,7 @@ CONTROL_ROUTES = ("/init_process_group", "/request_weight_update", "/probe_broad
 
 #: Sequences in flight at once in the overload check: more than any launched engine's batch (the
 #: reference's ``max_batch_size`` 32, vLLM's ``max_num_seqs`` 64 as the adapter launches it).
-OVERLOAD_REQUESTS, OVERLOAD_N, OVERLOAD_TOKENS = 10, 32, 4
+OVERLOAD_REQUESTS, OVERLOAD_N, OVERLOAD_TOKENS = 3, 32, 3
 
 
 def almost_right(token: str, api_key: str | None) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
@@ -78,7 +78,7 @@ class ServingChecks:
         arun(body)
 
     def test_more_sequences_than_the_batch_are_queued(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
-        """320 sequences at once (10 requests of n=32; more than the engine's batch) are queued,
+        """96 sequences at once (3 requests of n=32; more than the engine's batch) are queued,
         not refused: every request answers 200, every choice has its full budget, the current
         version and the logprobs the served weights give."""
 

@@ -135,7 +135,7 @@ class VersionTagChecks:
                 failures.append(msg)
             return crossed, failures
 
-        room, budget = 1024, 256
+        room, budget = 1024, 128
         while True:
             crossed, failures = arun(functools.partial(attempt, budget))
             assert not failures, "a version tag lies: " + " | ".join(failures)
