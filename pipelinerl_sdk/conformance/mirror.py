@@ -132,16 +132,23 @@ class Mirror:
     @torch.no_grad()
     def steer_to(self, prompt: Sequence[int], token: int, after: int, margin: float = 4.0) -> None:
         """Change only ``token``'s row of the output embedding so that, after the first ``after``
-        greedy tokens of ``prompt``, ``token`` beats every other logit by ``margin`` (the row
-        moves along that position's final hidden state). Earlier positions may then pick
-        ``token`` sooner: ask :meth:`greedy` what the new weights do."""
+        greedy tokens of ``prompt``, ``token`` beats every other logit by ``margin``. The row
+        moves along the part of that position's final hidden state orthogonal to the earlier
+        positions' (their logits do not move, up to the rounding to the server's dtype); ask
+        :meth:`greedy` what the new weights do."""
         ids = [*prompt, *self.greedy(prompt, after, stop=-1)[0]]
-        hidden = self.model.model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0, -1].float()
+        states = self.model.model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0].double()
+        states = states[len(prompt) - 1 :]
+        hidden, earlier = states[-1], states[:-1]
+        direction = hidden
+        if len(earlier):
+            coef = torch.linalg.lstsq(earlier.T, hidden[:, None]).solution
+            direction = hidden - (earlier.T @ coef)[:, 0]
         head = self.model.lm_head.weight
-        logits = head.float() @ hidden
+        logits = head.double() @ hidden
         others = torch.cat([logits[:token], logits[token + 1 :]])
         delta = float(others.max()) + margin - float(logits[token])
-        head[token] += (delta * hidden / hidden.dot(hidden)).to(head.dtype)
+        head[token] += (delta * direction / direction.dot(hidden)).to(head.dtype)
         self._round()
 
     @torch.no_grad()
