@@ -272,7 +272,7 @@ class IgnoresTemperature(ReferenceInferenceBackend):
     """Samples at temperature 1 whenever the request asks for any positive temperature (greedy at
     0 still works).
 
-    Caught by ``test_samples_follow_the_model_distribution[temperature-0.5]`` (and ``[temperature-2]``): "do not
+    Caught by ``test_samples_follow_the_model_distribution[temperature-2]`` (and ``[temperature-0.5]``): "do not
     follow the model's distribution"."""
 
     def __init__(self, config: ServeConfig) -> None:
