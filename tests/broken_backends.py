@@ -23,10 +23,17 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from pipelinerl_sdk.contracts import InferenceCapabilities, ServeConfig, UpdateReport, validate_update_request
+from pipelinerl_sdk.contracts import (
+    InferenceBackend,
+    InferenceCapabilities,
+    ServeConfig,
+    UpdateReport,
+    validate_update_request,
+)
 from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 from pipelinerl_sdk.protocol import (
@@ -221,6 +228,236 @@ class StaleVersions(ReferenceInferenceBackend):
         return resp.model_copy(update={"choices": choices})
 
 
+class _GreedyEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        return int(torch.argmax(logits))  # the bug: temperature and top_p never reach the sampler
+
+
+class GreedySampling(ReferenceInferenceBackend):
+    """Decodes greedily whatever the request's temperature (an adapter that drops the sampling
+    settings on an engine whose default is greedy): every group has zero variance.
+
+    Caught by ``test_samples_follow_the_model_distribution``: "do not follow the model's
+    distribution"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _GreedyEngine, version=0)
+
+
+class _NoTopPEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        return super()._sample(logits, dataclasses.replace(params, top_p=1.0), generator)  # the bug
+
+
+class IgnoresTopP(ReferenceInferenceBackend):
+    """Samples at the requested temperature but from the whole vocabulary: ``top_p`` is ignored.
+
+    Caught by ``test_samples_follow_the_model_distribution[top_p-0.7]``: "sampled tokens lie
+    outside the top_p=0.7 nucleus"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _NoTopPEngine, version=0)
+
+
+class _NoTemperatureEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.temperature > 0:
+            params = dataclasses.replace(params, temperature=1.0)  # the bug
+        return super()._sample(logits, params, generator)
+
+
+class IgnoresTemperature(ReferenceInferenceBackend):
+    """Samples at temperature 1 whenever the request asks for any positive temperature (greedy at
+    0 still works).
+
+    Caught by ``test_samples_follow_the_model_distribution[temperature-2]`` (and ``[temperature-0.5]``): "do not
+    follow the model's distribution"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _NoTemperatureEngine, version=0)
+
+
+class CopiedGroupSamples(ReferenceInferenceBackend):
+    """Generates one sample per request and returns ``n`` copies of it (an adapter that fans a
+    group out after generation): GRPO's group advantages are all zero.
+
+    Caught by ``test_samples_of_one_request_are_independent``: "samples are copies"."""
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        one = await super().chat_completion(req.model_copy(update={"n": 1}))
+        choices = [one.choices[0].model_copy(update={"index": i}) for i in range(req.n)]
+        tokens = one.usage.completion_tokens * req.n
+        usage = one.usage.model_copy(
+            update={"completion_tokens": tokens, "total_tokens": one.usage.prompt_tokens + tokens}
+        )
+        return one.model_copy(update={"choices": choices, "usage": usage})
+
+
+class DropsEos(ReferenceInferenceBackend):
+    """A completion that stopped on end-of-sequence is returned without that token (its id,
+    logprob and version stripped, as the text strips special tokens): the trainer never learns
+    to stop.
+
+    Caught by ``test_completions_end_as_they_say``: "does not carry its end-of-sequence token"."""
+
+    def _choice(self, index: int, r: GenerationResult, req: ChatCompletionRequest) -> ChatChoice:
+        if r.finish_reason == "stop":
+            r = dataclasses.replace(
+                r,
+                token_ids=r.token_ids[:-1],
+                logprobs=r.logprobs[:-1],
+                versions=r.versions[:-1],
+                top_logprobs=r.top_logprobs[:-1],
+            )
+        return super()._choice(index, r, req)
+
+
+class LengthForStop(ReferenceInferenceBackend):
+    """Reports ``finish_reason: length`` for a completion that stopped on end-of-sequence (an
+    adapter that maps every engine finish reason but "stop string" to "length").
+
+    Caught by ``test_completions_end_as_they_say``: "finish_reason 'length' for a completion that
+    ended on end-of-sequence"."""
+
+    def _choice(self, index: int, r: GenerationResult, req: ChatCompletionRequest) -> ChatChoice:
+        choice = super()._choice(index, r, req)
+        return choice.model_copy(update={"finish_reason": "length"}) if r.finish_reason == "stop" else choice
+
+
+class EarlyTags(ReferenceInferenceBackend):
+    """Tags tokens with the new version as soon as an update is accepted, while the old weights
+    still serve during the receive (a version label bumped on the update request, not when the
+    new weights go live); restores the old label if the update fails.
+
+    Caught by ``test_every_version_tag_is_true``: "a version tag lies"."""
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        old = self.version
+        async with self.engine.paused():
+            self.engine.set_version(req.version)  # the bug
+        try:
+            return await super().update_weights(req, mode, on_accepted)
+        except BaseException:
+            async with self.engine.paused():
+                self.engine.set_version(old)
+            raise
+
+
+#: How long ``LateTags`` leaves the new weights serving under the old label.
+LATE_TAG_S = 0.3
+
+
+class _DeferredVersionEngine(ContinuousBatchingEngine):
+    pending: int | None = None
+
+    def set_version(self, v: int) -> None:
+        self.pending = v  # the bug: the label waits for a later call
+
+
+class LateTags(ReferenceInferenceBackend):
+    """Makes the new weights live, resumes generation, and moves the version label only a moment
+    later (a label set by a separate call after resume, as with an engine's own
+    ``update_weight_version`` route): tokens of the new weights carry the old version.
+
+    Caught by ``test_every_version_tag_is_true``: "a version tag lies"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _DeferredVersionEngine, version=0)
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        report = await super().update_weights(req, mode, on_accepted)
+        engine = self.engine
+        assert isinstance(engine, _DeferredVersionEngine) and engine.pending is not None
+        await asyncio.sleep(LATE_TAG_S)
+        async with engine.paused():
+            ContinuousBatchingEngine.set_version(engine, engine.pending)
+        return report
+
+
+class RefusesPastBatch(ReferenceInferenceBackend):
+    """Refuses (503) a request whose sequences do not fit in the engine's free batch slots
+    instead of queueing it.
+
+    Caught by ``test_more_sequences_than_the_batch_are_queued``: "were refused, not queued"."""
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        from pipelinerl_sdk.http.server import HTTPError
+
+        stats = self.engine.stats()
+        if stats.running + stats.waiting + req.n > self.engine._max_batch_size:
+            raise HTTPError(503, f"server busy: {stats.running} sequences running", kind="server_busy")
+        return await super().chat_completion(req)
+
+
+class _ControlGuardBug:
+    """ASGI middleware that lets ``accepts(given)`` bearer values through to the control routes
+    (rewritten to the control token) in front of the SDK's router: an adapter's own guard."""
+
+    def __init__(self, app: Any, *, token: str, accepts: Callable[[str], bool]) -> None:
+        self.app, self.token, self.accepts = app, token, accepts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] in CONTROL_PATHS:
+            headers = []
+            for k, v in scope["headers"]:
+                if k == b"authorization" and v.startswith(b"Bearer ") and self.accepts(v[7:].decode()):
+                    v = f"Bearer {self.token}".encode()
+                headers.append((k, v))
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
+
+
+CONTROL_PATHS = ("/init_process_group", "/request_weight_update", "/probe_broadcast")
+
+
+def _serve_with_guard(backend: ReferenceInferenceBackend, config: ServeConfig, accepts: Callable[[str], bool]) -> None:
+    """Serve ``backend`` like ``pipelinerl serve`` does, with the broken guard in front."""
+    from fastapi import FastAPI
+
+    import pipelinerl_sdk.http.server as server
+
+    plain = server.create_app
+
+    def create_app(b: InferenceBackend, *, control_token: str, api_key: str | None = None) -> FastAPI:
+        app = plain(b, control_token=control_token, api_key=api_key)
+        app.add_middleware(_ControlGuardBug, token=control_token, accepts=accepts)
+        return app
+
+    server.create_app = create_app  # this test server's process only
+    server.run_server(backend, config)
+
+
+class ApiKeyOpensControl(ReferenceInferenceBackend):
+    """Its control routes accept the OpenAI API key as well as the control token (one guard for
+    every route): any client of the OpenAI API can push weights.
+
+    Caught by ``test_control_routes_need_the_control_token``: "opened without the exact control
+    token ... with the OpenAI API key"."""
+
+    def serve(self, config: ServeConfig) -> None:
+        key = config.api_key
+        _serve_with_guard(self, config, lambda given: key is not None and given == key)
+
+
+class TokenPrefixOpensControl(ReferenceInferenceBackend):
+    """Compares only the first 8 characters of the bearer token with the control token's.
+
+    Caught by ``test_control_routes_need_the_control_token``: "opened without the exact control
+    token ... with the token plus one character"."""
+
+    def serve(self, config: ServeConfig) -> None:
+        token = config.control_token
+        _serve_with_guard(self, config, lambda given: len(given) >= 8 and given[:8] == token[:8])
+
+
 # --- not caught by any standard check (gaps of the suite) ----------------------------------------
 
 
@@ -278,6 +515,17 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-stale-versions": ("StaleVersions", INFERENCE),
     "broken-temperature-logprobs": ("TemperatureLogprobs", INFERENCE),
     "broken-not-atomic-on-abort": ("NotAtomicOnAbort", INFERENCE),
+    "broken-greedy-sampling": ("GreedySampling", INFERENCE),
+    "broken-ignores-top-p": ("IgnoresTopP", INFERENCE),
+    "broken-ignores-temperature": ("IgnoresTemperature", INFERENCE),
+    "broken-copied-group-samples": ("CopiedGroupSamples", INFERENCE),
+    "broken-drops-eos": ("DropsEos", INFERENCE),
+    "broken-length-for-stop": ("LengthForStop", INFERENCE),
+    "broken-early-tags": ("EarlyTags", INFERENCE),
+    "broken-late-tags": ("LateTags", INFERENCE),
+    "broken-refuses-past-batch": ("RefusesPastBatch", INFERENCE),
+    "broken-api-key-opens-control": ("ApiKeyOpensControl", INFERENCE),
+    "broken-token-prefix-opens-control": ("TokenPrefixOpensControl", INFERENCE),
 }
 
 #: Broken backends no standard check catches yet.

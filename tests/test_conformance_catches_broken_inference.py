@@ -46,8 +46,9 @@ def _load_plugin_module() -> ModuleType:
 _plugin = _load_plugin_module()
 CAUGHT_BACKENDS: dict[str, object] = _plugin.CAUGHT_BACKENDS
 GAP_BACKENDS: dict[str, object] = _plugin.GAP_BACKENDS
-#: One child run (server start included); the slowest, broken-accepts-unknown-names, takes ~100 s.
-CHILD_TIMEOUT_S = 300
+#: One child run (server start included); the slowest, broken-accepts-unknown-names, takes ~100 s
+#: idle, the reference run of every selected check several minutes on a loaded 2-core machine.
+CHILD_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,61 @@ EXPECTED: dict[str, Expectation] = {
         "test_called_off_update_changes_nothing",
         "test_called_off_update_changes_nothing",
         "a called-off update moved the version",
+    ),
+    "broken-greedy-sampling": Expectation(
+        "test_samples_follow_the_model_distribution and temperature-1",
+        "test_samples_follow_the_model_distribution",
+        "do not follow the model's distribution",
+    ),
+    "broken-ignores-top-p": Expectation(
+        "test_samples_follow_the_model_distribution and top_p-0.7",
+        "test_samples_follow_the_model_distribution",
+        "sampled tokens lie outside the top_p=0.7 nucleus",
+    ),
+    "broken-ignores-temperature": Expectation(
+        "test_samples_follow_the_model_distribution and temperature-2",
+        "test_samples_follow_the_model_distribution",
+        "samples at temperature 2.0, top_p 1.0 do not follow the model's distribution",
+    ),
+    "broken-copied-group-samples": Expectation(
+        "test_samples_of_one_request_are_independent",
+        "test_samples_of_one_request_are_independent",
+        "samples are copies, not independent draws",
+    ),
+    "broken-drops-eos": Expectation(
+        "test_completions_end_as_they_say",
+        "test_completions_end_as_they_say",
+        "does not carry its end-of-sequence token",
+    ),
+    "broken-length-for-stop": Expectation(
+        "test_completions_end_as_they_say",
+        "test_completions_end_as_they_say",
+        "finish_reason 'length' for a completion that ended on end-of-sequence",
+    ),
+    "broken-early-tags": Expectation(
+        "test_every_version_tag_is_true",
+        "test_every_version_tag_is_true",
+        "a version tag lies",
+    ),
+    "broken-late-tags": Expectation(
+        "test_every_version_tag_is_true",
+        "test_every_version_tag_is_true",
+        "a version tag lies",
+    ),
+    "broken-refuses-past-batch": Expectation(
+        "test_more_sequences_than_the_batch_are_queued",
+        "test_more_sequences_than_the_batch_are_queued",
+        "were refused, not queued",
+    ),
+    "broken-api-key-opens-control": Expectation(
+        "test_control_routes_need_the_control_token",
+        "test_control_routes_need_the_control_token",
+        "with the OpenAI API key: 4",
+    ),
+    "broken-token-prefix-opens-control": Expectation(
+        "test_control_routes_need_the_control_token",
+        "test_control_routes_need_the_control_token",
+        "with the token plus one character: 4",
     ),
 }
 assert set(EXPECTED) == set(CAUGHT_BACKENDS), "every caught broken backend needs an expectation"

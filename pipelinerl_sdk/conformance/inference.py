@@ -15,73 +15,42 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
+from pipelinerl_sdk.conformance.common import (
+    PROMPT,
+    arun,
+    check_against_mirror,
+    connect,
+    greedy,
+    open_connections,
+    openai_headers,
+)
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
+from pipelinerl_sdk.conformance.sampling import SamplingChecks
+from pipelinerl_sdk.conformance.serving import ServingChecks
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
+from pipelinerl_sdk.conformance.versions import VersionTagChecks
 from pipelinerl_sdk.errors import FanOutError, ServerError
-from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec, ServerInfo, WeightUpdateRequest
 from pipelinerl_sdk.weights.buckets import BucketPlan
-from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.receive import update_key
 
-T = TypeVar("T")
-PROMPT = [{"role": "user", "content": "What is 12+7? Answer with digits."}]
-
-
-def arun(fn: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await fn()
-
-    return asyncio.run(main())
-
-
-async def greedy(client: InferenceClient, *, prompt_logprobs: bool, max_tokens: int = 12) -> ChatCompletionResponse:
-    body: dict[str, Any] = {
-        "messages": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": True,
-        "return_token_ids": True,
-    }
-    if prompt_logprobs:
-        body["prompt_logprobs"] = True
-    return await client.chat(body)
-
-
-def check_against_mirror(resp: ChatCompletionResponse, mirror: Mirror, *, prompt: bool) -> None:
-    """The server's logprobs of its own tokens equal the mirror's (tolerance by dtype)."""
-    choice = resp.choices[0]
-    assert resp.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
-    assert choice.token_ids is not None, "return_token_ids: choices[].token_ids missing"
-    assert choice.logprobs is not None, "logprobs requested but missing"
-    seq = resp.prompt_token_ids + choice.token_ids
-    ref = mirror.logprobs(seq)
-    n_prompt = len(resp.prompt_token_ids)
-    ok, msg = compare([t.logprob for t in choice.logprobs.content], ref[n_prompt - 1 :], mirror.dtype)
-    assert ok, f"completion logprobs differ from the weights the server should hold: {msg}"
-    if prompt:
-        assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
-        assert resp.prompt_logprobs[0] is None
-        ok, msg = compare([x for x in resp.prompt_logprobs[1:] if x is not None], ref[: n_prompt - 1], mirror.dtype)
-        assert ok, f"prompt logprobs differ from the weights the server should hold: {msg}"
-
-
-async def connect(sut: ServerUnderTest, client: InferenceClient, **kwargs: Any) -> WeightPublisher:
-    publisher = WeightPublisher([client], bucket_bytes=kwargs.pop("bucket_bytes", 64 << 10), **kwargs)
-    await publisher.connect()
-    return publisher
-
-
-async def open_connections(client: InferenceClient, k: int) -> None:
-    """Leave ``k`` open keep-alive connections in ``client``'s pool: ``k`` one-token chats at once."""
-    await asyncio.gather(*(client.chat({"messages": PROMPT, "max_tokens": 1}) for _ in range(k)))
+__all__ = [
+    "PROMPT",
+    "InferenceContractTests",
+    "arun",
+    "check_against_mirror",
+    "connect",
+    "greedy",
+    "open_connections",
+    "update_body",
+]
 
 
 def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any]:
@@ -140,23 +109,7 @@ def _bad_update_cases(info: ServerInfo) -> dict[str, tuple[dict[str, Any] | str,
     }
 
 
-def _served_weights(sut: ServerUnderTest, request: pytest.FixtureRequest) -> Mirror:
-    """What the server serves: the checkpoint on a fresh server (version 0), else the module's
-    ``mirror`` (which syncs an updated server to weights it knows), so a check gives the same
-    verdict on a fresh and on an updated server."""
-    version = arun(lambda: _version(sut))
-    if version == 0:
-        return Mirror(sut.model_dir, sut.dtype)
-    mirror: Mirror = request.getfixturevalue("mirror")
-    return mirror
-
-
-async def _version(sut: ServerUnderTest) -> int:
-    async with sut.client() as client:
-        return (await client.info()).version
-
-
-class InferenceContractTests:
+class InferenceContractTests(SamplingChecks, VersionTagChecks, ServingChecks):
     """The inference contract, checked on ``server_under_test`` (one server per module)."""
 
     # --- schemas and basics ---------------------------------------------------------------------
@@ -173,7 +126,9 @@ class InferenceContractTests:
                 assert info.receiving_workers >= 1 and info.params
                 assert info.default_mode in info.receive_modes
                 Mirror(server_under_test.model_dir, server_under_test.dtype).check_specs(info.params)
-                async with httpx.AsyncClient(base_url=server_under_test.url, timeout=30) as http:
+                async with httpx.AsyncClient(
+                    base_url=server_under_test.url, timeout=30, headers=openai_headers(server_under_test)
+                ) as http:
                     models = (await http.get("/v1/models")).json()
                     assert models["data"][0]["id"] == info.model
                     assert models["data"][0].get("max_model_len") == info.max_model_len
@@ -201,13 +156,10 @@ class InferenceContractTests:
 
         arun(body)
 
-    def test_logprobs_match_the_served_weights(
-        self, server_under_test: ServerUnderTest, request: pytest.FixtureRequest
-    ) -> None:
-        """The server's logprobs equal a plain transformers forward of the weights it serves
-        (tolerance by dtype): the model it was started with, or on an updated server the
-        module's mirror (which knows the served weights)."""
-        mirror = _served_weights(server_under_test, request)
+    def test_logprobs_match_the_served_weights(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """The server's logprobs equal a plain transformers forward of the weights it serves (the
+        model it was started with on a fresh server, else the mirror's weights, which the
+        fixture publishes first), tolerance by dtype."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
@@ -217,12 +169,12 @@ class InferenceContractTests:
         arun(body)
 
     def test_sampled_logprobs_are_the_models_raw_logprobs(
-        self, server_under_test: ServerUnderTest, request: pytest.FixtureRequest
+        self, server_under_test: ServerUnderTest, mirror: Mirror
     ) -> None:
         """Sampling at temperature 0.7 with n=3: every choice's logprobs are the raw model
         distribution's (log_softmax of the logits, before temperature), as vLLM reports them;
-        with ``top_logprobs`` the alternatives are the model's best tokens with their logprobs."""
-        mirror = _served_weights(server_under_test, request)
+        with ``top_logprobs`` the alternatives are the model's best tokens with their logprobs.
+        On a fresh or an updated server alike (the mirror holds the served weights)."""
         top = 3 if server_under_test.capabilities.top_logprobs else 0
 
         async def body() -> None:
@@ -257,7 +209,10 @@ class InferenceContractTests:
         async def body() -> None:
             async with server_under_test.client() as client:
                 limit = (await client.info()).max_model_len
-            async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
+            # with the API key: a 4xx must come from the body, not from the authentication
+            async with httpx.AsyncClient(
+                base_url=server_under_test.url, timeout=60, headers=openai_headers(server_under_test)
+            ) as http:
                 bad: dict[str, Any]
                 cases: list[dict[str, Any]] = [
                     {},
@@ -277,18 +232,6 @@ class InferenceContractTests:
                 assert 400 <= r.status_code < 500
                 r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
                 assert r.status_code == 200
-
-        arun(body)
-
-    def test_control_routes_need_the_control_token(self, server_under_test: ServerUnderTest) -> None:
-        """Control routes: 401 without a bearer token, 403 with a wrong one; nothing happens."""
-
-        async def body() -> None:
-            async with httpx.AsyncClient(base_url=server_under_test.url, timeout=30) as http:
-                for path in ("/init_process_group", "/request_weight_update"):
-                    assert (await http.post(path, json={})).status_code == 401, path
-                    r = await http.post(path, json={}, headers={"Authorization": "Bearer wrong-token"})
-                    assert r.status_code == 403, path
 
         arun(body)
 

@@ -9,7 +9,8 @@ return for any token sequence.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,10 +114,102 @@ class Mirror:
             await asyncio.to_thread(self.send_all, sink, specs)
 
     @torch.no_grad()
+    def greedy(self, prompt: Sequence[int], max_tokens: int, stop: int) -> tuple[list[int], float]:
+        """Greedy completion of ``prompt`` (ends at ``stop`` or after ``max_tokens``) and the
+        smallest gap between the best and second-best logit along it."""
+        ids, out, gap = list(prompt), [], math.inf
+        for _ in range(max_tokens):
+            logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+            top = torch.topk(logits, 2).values
+            gap = min(gap, float(top[0] - top[1]))
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            ids.append(tok)
+            if tok == stop:
+                break
+        return out, gap
+
+    @torch.no_grad()
+    def steer_to(self, prompt: Sequence[int], token: int, after: int, margin: float = 4.0) -> None:
+        """Change only ``token``'s row of the output embedding so that, after the first ``after``
+        greedy tokens of ``prompt``, ``token`` beats every other logit by ``margin``. The row
+        moves along the part of that position's final hidden state orthogonal to the earlier
+        positions' (their logits do not move, up to the rounding to the server's dtype); ask
+        :meth:`greedy` what the new weights do."""
+        ids = [*prompt, *self.greedy(prompt, after, stop=-1)[0]]
+        states = self.model.model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0].double()
+        states = states[len(prompt) - 1 :]
+        hidden, earlier = states[-1], states[:-1]
+        direction = hidden
+        if len(earlier):
+            coef = torch.linalg.lstsq(earlier.T, hidden[:, None]).solution
+            direction = hidden - (earlier.T @ coef)[:, 0]
+        head = self.model.lm_head.weight
+        logits = head.double() @ hidden
+        others = torch.cat([logits[:token], logits[token + 1 :]])
+        delta = float(others.max()) + margin - float(logits[token])
+        head[token] += (delta * direction / direction.dot(hidden)).to(head.dtype)
+        self._round()
+
+    @torch.no_grad()
     def full_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``log p(. | tok_<=t)`` over the vocabulary, for t = 0 .. len-2 (rows)."""
         ids = torch.tensor([list(token_ids)])
         return torch.log_softmax(self.model(input_ids=ids, use_cache=False).logits.float()[0, :-1], dim=-1)
+
+    @torch.no_grad()
+    def next_token_logits(self, sequences: Sequence[Sequence[int]], start: int) -> torch.Tensor:
+        """``[batch, len - start, vocab]`` fp32 logits of the token at each position ``>= start``
+        given everything before it, for sequences of one length (teacher forcing, one forward)."""
+        ids = torch.tensor([list(s) for s in sequences])
+        logits: torch.Tensor = self.model(input_ids=ids, use_cache=False).logits.float()
+        return logits[:, start - 1 : -1]
+
+    @torch.no_grad()
+    def replay(
+        self,
+        prompt: Sequence[int],
+        tokens: Sequence[int],
+        versions: Sequence[int],
+        states: Mapping[int, dict[str, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logprob each completion token must have if its version tag is true, two ways.
+
+        ``kept_kv``: an engine that keeps its KV cache across updates. Position i's keys and
+        values were computed by the forward that produced token i + 1 (the prompt's by the
+        prefill, which produced token 0), i.e. by the weights of *that* token's tag; so the
+        replay decodes one token at a time with one cache, loading the weights of ``versions[j]``
+        before the forward that yields token j. Exact for such an engine: every position's K/V
+        and every query use the same weights, in the same order, as the engine did.
+        ``fresh``: an engine that recomputes its KV cache after an update: token j is one full
+        forward of ``prompt + tokens[:j]`` by the weights of ``versions[j]``.
+        The mirror holds its current weights again afterwards."""
+        from transformers import DynamicCache
+
+        current = self.state()
+        kept: list[float] = []
+        fresh = torch.empty(len(tokens))
+        try:
+            cache = DynamicCache()
+            ids = list(prompt)
+            loaded: int | None = None
+            for j, (tok, v) in enumerate(zip(tokens, versions, strict=True)):
+                if v != loaded:
+                    self.load(states[v])
+                    loaded = v
+                step = torch.tensor([ids if j == 0 else [tokens[j - 1]]])
+                out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+                kept.append(float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[tok]))
+            seq = [*prompt, *tokens]
+            for v in sorted(set(versions)):
+                self.load(states[v])
+                lp = self.logprobs(seq)[len(prompt) - 1 :]
+                for j, tag in enumerate(versions):
+                    if tag == v:
+                        fresh[j] = lp[j]
+        finally:
+            self.load(current)
+        return torch.tensor(kept), fresh
 
     @torch.no_grad()
     def logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:

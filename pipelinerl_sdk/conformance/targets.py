@@ -4,6 +4,8 @@ registry as ``pipelinerl serve``, or a running server given by URL."""
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pipelinerl_sdk.contracts import (
 )
 from pipelinerl_sdk.errors import PluginError
 from pipelinerl_sdk.http.client import InferenceClient
-from pipelinerl_sdk.launch import log_tail
+from pipelinerl_sdk.launch import ENV_API_KEY, log_tail
 from pipelinerl_sdk.plugins import Kind, load_registry
 
 
@@ -36,12 +38,15 @@ class ServerUnderTest:
     pid: int | None = None
     #: The launched server's log, shown with a failing check's report (None for a URL target).
     log_path: Path | None = None
+    #: The OpenAI API key the server requires on its OpenAI routes (launched servers always get
+    #: one, so the control routes are checked beside a key; a URL target's: ``$PIPELINERL_API_KEY``).
+    api_key: str | None = None
 
     def log_tail(self, n: int = 60) -> str:
         return "" if self.log_path is None else log_tail(self.log_path, n)
 
     def client(self, **kwargs: object) -> InferenceClient:
-        return InferenceClient(self.url, control_token=self.control_token, **kwargs)  # type: ignore[arg-type]
+        return InferenceClient(self.url, control_token=self.control_token, api_key=self.api_key, **kwargs)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -81,15 +86,17 @@ class InferenceTarget:
                 model_dir,
                 dtype,
                 None,
+                api_key=os.environ.get(ENV_API_KEY) or None,
             )
             return
         from pipelinerl_sdk.launch import ServerProcess
 
         assert self.capabilities is not None
-        with ServerProcess(self.name, model, dtype=dtype, startup_timeout_s=600) as proc:
+        api_key = "sk-" + secrets.token_urlsafe(18)
+        with ServerProcess(self.name, model, dtype=dtype, api_key=api_key, startup_timeout_s=600) as proc:
             yield ServerUnderTest(
                 self.id, proc.url, proc.control_token, self.capabilities, model, dtype, self.name, proc.pid,
-                proc.log_path,
+                proc.log_path, api_key,
             )  # fmt: skip
 
 

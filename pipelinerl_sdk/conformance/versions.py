@@ -1,0 +1,145 @@
+"""Checks that every version tag is true: a token tagged v was computed by the weights of v."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from pipelinerl_sdk.conformance.common import PROMPT, arun, connect, open_connections
+from pipelinerl_sdk.conformance.mirror import TOLERANCES, Mirror, compare
+from pipelinerl_sdk.conformance.targets import ServerUnderTest
+from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionResponse
+
+#: The trainer waits this long between the server's ``accepted`` and its broadcast (a trainer
+#: that gathers slowly): generation goes on meanwhile (staged) and its tokens must keep the old tag.
+RECEIVE_WINDOW_S = 0.5
+#: Perturbation of each update (times each tensor's std): versions differ by far more than the
+#: float32 tolerance on every token.
+SCALE = 0.1
+#: Tokens replayed past the last version boundary of a completion.
+TAIL = 24
+
+
+def judge_tags(
+    mirror: Mirror,
+    prompt: list[int],
+    choice: ChatChoice,
+    states: dict[int, dict[str, torch.Tensor]],
+    what: str,
+) -> tuple[bool, str]:
+    """(the tags are true, a message naming the first token that is not)."""
+    assert choice.token_ids is not None and choice.logprobs is not None, f"{what}: token ids or logprobs missing"
+    tags = list(choice.weight_versions)
+    if tags != sorted(tags):
+        return False, f"{what}: versions go back: {tags}"
+    unknown = set(tags) - set(states)
+    if unknown:
+        return False, f"{what}: versions {sorted(unknown)} were never published (published {sorted(states)})"
+    bounds = [j for j in range(1, len(tags)) if tags[j] != tags[j - 1]]
+    end = min(len(tags), (bounds[-1] if bounds else 0) + TAIL)
+    got = torch.tensor([t.logprob for t in choice.logprobs.content[:end]], dtype=torch.float64)
+    kept, fresh = mirror.replay(prompt, choice.token_ids[:end], tags[:end], states)
+    kept, fresh = kept.double(), fresh.double()
+    best = torch.where((got - kept).abs() <= (got - fresh).abs(), kept, fresh)
+    ok, msg = compare(got.tolist(), best, mirror.dtype)
+    if ok:
+        return True, ""
+    j = int((got - best).abs().argmax())
+    seq = prompt + choice.token_ids[: j + 1]
+    others = []
+    current = mirror.state()
+    for v in sorted(states):
+        mirror.load(states[v])
+        others.append(f"weights {v} give {float(mirror.logprobs(seq)[-1]):.4f}")
+    mirror.load(current)
+    return False, (
+        f"{what}: token {j} tagged version {tags[j]} has logprob {float(got[j]):.4f}; the weights of version "
+        f"{tags[j]} give {float(kept[j]):.4f} (KV kept across updates) or {float(fresh[j]):.4f} (KV recomputed); "
+        f"on the whole sequence ({', '.join(others)}); tags {_spans(tags)}: {msg}"
+    )
+
+
+def _spans(tags: list[int]) -> str:
+    out, start = [], 0
+    for j in range(1, len(tags) + 1):
+        if j == len(tags) or tags[j] != tags[start]:
+            out.append(f"v{tags[start]} x{j - start}")
+            start = j
+    return ", ".join(out)
+
+
+class VersionTagChecks:
+    """Mixed into :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests`."""
+
+    @pytest.mark.requires("in_flight_updates")
+    def test_every_version_tag_is_true(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """Completions running across two updates, and one sent while an update is being
+        received, are replayed token by token against the mirror with the weights of each
+        token's tag: every logprob must be what those weights give (tolerance by dtype), either
+        on the KV cache as the engine computed it at the time (an engine that keeps its cache
+        across updates; see :meth:`Mirror.replay`) or on a recomputed one. A token computed by
+        other weights than its tag's (a tag set before the new weights are live, or after)
+        fails. The request sent mid-receive is answered, its tags are the old or the new
+        version, and true. Inconclusive runs (no completion crossed an update) retry with twice
+        the budget."""
+        tol = TOLERANCES[mirror.dtype]
+        assert tol.max_abs < 1.0
+
+        async def attempt(budget: int) -> tuple[int, list[str]]:
+            async with server_under_test.client() as client, server_under_test.client() as other:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                start = info.version
+                states = {start: mirror.state()}
+                req: dict[str, Any] = {
+                    "messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "temperature": 1.0,
+                    "logprobs": True, "return_token_ids": True,
+                }  # fmt: skip
+                await open_connections(client, 4)
+                await open_connections(other, 1)
+                running = [asyncio.create_task(client.chat({**req, "seed": i})) for i in range(2)]
+                await asyncio.sleep(0.02)
+                await client.chat({"messages": PROMPT, "max_tokens": 1})  # barrier: they are running
+                mid: asyncio.Task[ChatCompletionResponse] | None = None
+                for k in (1, 2):
+                    mirror.perturb(seed=start + k, scale=SCALE)
+                    states[start + k] = mirror.state()
+                    async with publisher.update(start + k, info.params) as sink:
+                        if mid is None:  # sent while the server is receiving
+                            mid = asyncio.create_task(other.chat({**req, "max_tokens": 16, "seed": 7}))
+                        await asyncio.sleep(RECEIVE_WINDOW_S)
+                        await asyncio.to_thread(mirror.send_all, sink, info.params)
+                results = await asyncio.gather(*running)
+                assert mid is not None
+                mid_resp = await mid
+                await publisher.close()
+            failures, crossed = [], 0
+            for i, resp in enumerate(results):
+                assert resp.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
+                c = resp.choices[0]
+                crossed += len(set(c.weight_versions)) > 1
+                ok, msg = judge_tags(mirror, resp.prompt_token_ids, c, states, f"in-flight request {i}")
+                if not ok:
+                    failures.append(msg)
+            c = mid_resp.choices[0]
+            assert mid_resp.prompt_token_ids
+            if c.weight_versions[:1] not in ([start], [start + 1]):
+                failures.append(f"a request sent while version {start + 1} was being received began with "
+                                f"version {c.weight_versions[:1]}")  # fmt: skip
+            ok, msg = judge_tags(mirror, mid_resp.prompt_token_ids, c, states, "the request sent mid-receive")
+            if not ok:
+                failures.append(msg)
+            return crossed, failures
+
+        room, budget = 1024, 128
+        while True:
+            crossed, failures = arun(functools.partial(attempt, budget))
+            assert not failures, "a version tag lies: " + " | ".join(failures)
+            if crossed or budget >= room:
+                break
+            budget *= 2
+        assert crossed, f"inconclusive: no completion of {budget} tokens was still running when an update went live"
