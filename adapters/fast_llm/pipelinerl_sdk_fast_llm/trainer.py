@@ -135,15 +135,23 @@ class FastLLMTrainer(TrainerBackend):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % local_world)))
         else:
             device = torch.device("cpu")
-        return ProcessGroupPool(
-            rank=rank,
-            world_size=world,
-            local_world_size=local_world if backend == "nccl" else world,
-            timeout=timeout_s,
-            init_method=address[0],
-            backend=DistributedBackend(backend),
-            device=device,
-        )
+        # Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes torch's tcp:// rendezvous (Fast-LLM's)
+        # connect every rank as a client to a store the agent hosts: at a fresh address nobody hosts
+        # one and every rank waits forever. This rendezvous is ours, so rank 0 hosts it.
+        agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        try:
+            return ProcessGroupPool(
+                rank=rank,
+                world_size=world,
+                local_world_size=local_world if backend == "nccl" else world,
+                timeout=timeout_s,
+                init_method=address[0],
+                backend=DistributedBackend(backend),
+                device=device,
+            )
+        finally:
+            if agent_store is not None:
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
     def init(self, spec: TrainerSpec) -> None:
         import fast_llm.engine.distributed.distributed as fl_distributed
