@@ -162,6 +162,11 @@ class InferenceClient:
     def _api_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
 
+    def _read_headers(self) -> dict[str, str]:
+        """``/info`` takes the API key (when the server has one) or the control token: a trainer
+        that holds only the control token reads it too."""
+        return self._api_headers() or self._control_headers()
+
     async def _call(
         self,
         method: str,
@@ -170,8 +175,10 @@ class InferenceClient:
         control: bool,
         body: Any = None,
         timeout: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
-        headers = self._control_headers() if control else self._api_headers()
+        if headers is None:
+            headers = self._control_headers() if control else self._api_headers()
         if self._last_update is not None:
             await self._last_update.settled()
         try:
@@ -193,7 +200,7 @@ class InferenceClient:
         return result
 
     async def info(self) -> ServerInfo:
-        return ServerInfo.model_validate(await self._call("GET", "/info", control=False))
+        return ServerInfo.model_validate(await self._call("GET", "/info", control=False, headers=self._read_headers()))
 
     async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
         body = await self._call(
