@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from pipelinerl_sdk.contracts import (
-    InferenceBackend,
     InferenceCapabilities,
     ServeConfig,
     UpdateReport,
@@ -419,20 +418,15 @@ CONTROL_PATHS = ("/init_process_group", "/request_weight_update", "/probe_broadc
 
 
 def _serve_with_guard(backend: ReferenceInferenceBackend, config: ServeConfig, accepts: Callable[[str], bool]) -> None:
-    """Serve ``backend`` like ``pipelinerl serve`` does, with the broken guard in front."""
+    """Serve ``backend`` like ``pipelinerl serve`` does (the kit's engine-owned-app path), with
+    the broken guard in front of the SDK's router."""
     from fastapi import FastAPI
 
-    import pipelinerl_sdk.http.server as server
+    from pipelinerl_sdk.kit.inference.serve import run
 
-    plain = server.create_app
-
-    def create_app(b: InferenceBackend, *, control_token: str, api_key: str | None = None) -> FastAPI:
-        app = plain(b, control_token=control_token, api_key=api_key)
-        app.add_middleware(_ControlGuardBug, token=control_token, accepts=accepts)
-        return app
-
-    server.create_app = create_app  # this test server's process only
-    server.run_server(backend, config)
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(_ControlGuardBug, token=config.control_token, accepts=accepts)
+    run(app, backend, config)
 
 
 class ApiKeyOpensControl(ReferenceInferenceBackend):

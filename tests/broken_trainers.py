@@ -15,6 +15,7 @@ itself registers dotted paths only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,13 +87,8 @@ class IgnoresClipTrainer(ReferenceTrainer):
     """Never clips (``grad_clip`` read as None: a config key lost on the way to the optimizer);
     reports the true pre-clip norm. Caught by ``test_clipped_steps_equal_adamw_with_clip_grad_norm``."""
 
-    def step(self) -> StepMetrics:
-        spec = self._require()[2]
-        self._spec = dataclasses.replace(spec, grad_clip=None)
-        try:
-            return super().step()
-        finally:
-            self._spec = spec
+    def clip_gradients(self, params: Sequence[torch.nn.Parameter], max_norm: float | None) -> float:
+        return super().clip_gradients(params, None)
 
 
 def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -101,7 +97,8 @@ def _norm(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _Step(ReferenceTrainer):
-    """The reference step spelled out, with the hooks the distributed twins below get wrong."""
+    """The reference step spelled out on the kit's hooks (reduce, then clip), with the hooks the
+    distributed twins below get wrong."""
 
     def _reduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the gradient this rank steps on, the global sum it clips by)."""
@@ -111,20 +108,22 @@ class _Step(ReferenceTrainer):
     def _clip_norm(self, local: list[torch.Tensor], total: list[torch.Tensor]) -> torch.Tensor:
         return _norm(total)
 
-    def step(self) -> StepMetrics:
-        model, optimizer, spec = self._require()
-        params = [p for p in model.parameters() if p.requires_grad]
+    def reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         sizes = [p.numel() for p in params]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        use, total = self._reduce(flat.clone(), self._steps + 1) if self.world_size > 1 else (flat, flat)
-        norm = self._clip_norm(list(flat.split(sizes)), list(total.split(sizes)))
-        coef = torch.clamp(spec.grad_clip / (norm + 1e-6), max=1.0) if spec.grad_clip is not None else 1.0
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        use, total = self._reduce(flat.clone(), self.steps + 1) if self.world_size > 1 else (flat, flat)
+        self._pieces = (list(flat.split(sizes)), list(total.split(sizes)))
         for p, g in zip(params, use.split(sizes), strict=True):
-            p.grad = (g * coef).view_as(p).clone()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self._steps += 1
-        return StepMetrics(step=self._steps, grad_norm=float(norm), lr=float(optimizer.param_groups[0]["lr"]))
+            p.grad = g.view_as(p).clone()
+
+    def clip_gradients(self, params: Sequence[torch.nn.Parameter], max_norm: float | None) -> float:
+        local, total = self._pieces
+        norm = self._clip_norm(local, total)
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef)  # type: ignore[union-attr]
+        return float(norm)
 
 
 class LocalClipTrainer(_Step):
