@@ -382,18 +382,26 @@ class LateTags(ReferenceInferenceBackend):
 
 
 class RefusesPastBatch(ReferenceInferenceBackend):
-    """Refuses (503) a request whose sequences do not fit in the engine's free batch slots
-    instead of queueing it.
+    """Refuses (503) a request whose sequences do not fit in the engine's batch beside the
+    sequences it has already admitted, instead of queueing it (an admission counter with no
+    queue behind it).
 
     Caught by ``test_more_sequences_than_the_batch_are_queued``: "were refused, not queued"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self._admitted = 0
 
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         from pipelinerl_sdk.http.server import HTTPError
 
-        stats = self.engine.stats()
-        if stats.running + stats.waiting + req.n > self.engine._max_batch_size:
-            raise HTTPError(503, f"server busy: {stats.running} sequences running", kind="server_busy")
-        return await super().chat_completion(req)
+        if self._admitted + req.n > self.engine._max_batch_size:
+            raise HTTPError(503, f"server busy: {self._admitted} sequences admitted", kind="server_busy")
+        self._admitted += req.n
+        try:
+            return await super().chat_completion(req)
+        finally:
+            self._admitted -= req.n
 
 
 class _ControlGuardBug:

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import torch
 
-from pipelinerl_sdk.conformance.common import PROMPT, arun
+from pipelinerl_sdk.conformance.common import PROMPT, arun, open_connections
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 
@@ -17,7 +17,7 @@ CONTROL_ROUTES = ("/init_process_group", "/request_weight_update", "/probe_broad
 
 #: Sequences in flight at once in the overload check: more than any launched engine's batch (the
 #: reference's ``max_batch_size`` 32, vLLM's ``max_num_seqs`` 64 as the adapter launches it).
-OVERLOAD_REQUESTS, OVERLOAD_N, OVERLOAD_TOKENS = 3, 32, 3
+OVERLOAD_REQUESTS, OVERLOAD_N, OVERLOAD_TOKENS = 3, 32, 16
 
 
 def almost_right(token: str, api_key: str | None) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
@@ -89,6 +89,9 @@ class ServingChecks:
                     "messages": PROMPT, "max_tokens": OVERLOAD_TOKENS, "n": OVERLOAD_N, "ignore_eos": True,
                     "logprobs": True, "return_token_ids": True,
                 }  # fmt: skip
+                # Connections opened first: the requests then arrive together, not one per TCP
+                # handshake, so they overlap in the engine (a refusal past the batch shows).
+                await open_connections(client, OVERLOAD_REQUESTS)
                 outcomes = await asyncio.gather(
                     *(client.chat({**req, "seed": i}) for i in range(OVERLOAD_REQUESTS)), return_exceptions=True
                 )
