@@ -505,6 +505,7 @@ def sharded_step(ctx: RankContext, job: ShardedStepJob) -> dict[str, Any]:
             "probe_after": after,
             "params": sink.tensors if sink is not None else None,
             "names": sink.names if sink is not None else None,
+            "spec_names": [p.name for p in trainer.param_specs()],
             "gather_peak": peak,
         }
     finally:
@@ -769,7 +770,7 @@ class TrainerContractTests:
         rank reports, at every step, the true global pre-clip norm of the summed gradient (rel.
         1e-5: averaged, local or per-rank clipped gradients fail here, by 2x or more); rank 0's
         gathered params equal the plain reference (``clip_grad_norm_`` + AdamW at world size 1)
-        within 1e-6, in the same order as at world size 1; and every other rank's forward of the
+        within 1e-6, in ``param_specs()`` order under the HF model's names; and every other rank's forward of the
         whole probe batch after the steps equals rank 0's (max 1e-5): no rank's weights drift
         from rank 0's (whose weights are the reference's)."""
         r = world_size_runs(trainer_target, conformance_model)
@@ -779,7 +780,8 @@ class TrainerContractTests:
                 assert_grad_norm_close(got, want, f"rank {rank} of 2, step {i + 1} vs the summed gradient", dtype)
         rank0 = r.ws2[0]
         assert rank0["params"] is not None, "rank 0 collected nothing"
-        assert rank0["names"] == list(ref.params), "world size 2 gathers in another order than the HF model's"
+        assert rank0["names"] == rank0["spec_names"], "world size 2 gathers in another order than its param_specs()"
+        assert sorted(rank0["names"]) == sorted(ref.params), "world size 2 gathers other names than the HF model's"
         assert_params_close(
             rank0["params"], ref.params, "rank 0 of 2 after 3 clipped steps vs the plain reference",
             dtype=dtype, initial=ref.initial,
