@@ -20,6 +20,8 @@ RECEIVE_WINDOW_S = 0.5
 #: Perturbation of each update (times each tensor's std): versions differ by far more than the
 #: float32 tolerance on every token.
 SCALE = 0.1
+#: The longest completion the check asks for (the replay runs one forward per token).
+MAX_BUDGET = 4096
 #: Tokens replayed past the last version boundary of a completion.
 TAIL = 24
 
@@ -85,7 +87,8 @@ class VersionTagChecks:
         other weights than its tag's (a tag set before the new weights are live, or after)
         fails. The request sent mid-receive is answered, its tags are the old or the new
         version, and true. Inconclusive runs (no completion crossed an update) retry with twice
-        the budget."""
+        the budget, up to what the server's context leaves (a fast engine decodes 1024 tokens
+        before two updates land)."""
         tol = TOLERANCES[mirror.dtype]
         assert tol.max_abs < 1.0
 
@@ -135,11 +138,20 @@ class VersionTagChecks:
                 failures.append(msg)
             return crossed, failures
 
-        room, budget = 1024, 128
+        async def room_left() -> int:
+            """Completion tokens the context leaves after the prompt (capped: the replay is
+            token by token)."""
+            async with server_under_test.client() as client:
+                info = await client.info()
+                probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
+                return min(MAX_BUDGET, (info.max_model_len or MAX_BUDGET) - len(probe.prompt_token_ids or []) - 16)
+
+        room = arun(room_left)
+        budget = min(128, room)
         while True:
             crossed, failures = arun(functools.partial(attempt, budget))
             assert not failures, "a version tag lies: " + " | ".join(failures)
             if crossed or budget >= room:
                 break
-            budget *= 2
+            budget = min(room, 2 * budget)
         assert crossed, f"inconclusive: no completion of {budget} tokens was still running when an update went live"
