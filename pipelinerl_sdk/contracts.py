@@ -50,6 +50,12 @@ class InferenceCapabilities:
     prompt_logprobs: bool = False
     top_logprobs: bool = False
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
+    #: ``stop`` strings cut the text as vLLM does (before the stop string, the token kept).
+    stop_strings: bool = False
+    #: ``logit_bias`` is added to the logits before sampling (greedy included).
+    logit_bias: bool = False
+    #: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` with vLLM's rules.
+    penalties: bool = False
 
     def __post_init__(self) -> None:
         if self.per_token_versions is not True:

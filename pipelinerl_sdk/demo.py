@@ -66,7 +66,7 @@ async def _demo(steps: int, workdir: Path) -> int:
             if ids[:prompt_len] != question.prompt_token_ids:
                 raise RuntimeError("chat template: the question is not a prefix of the conversation")
             initial = await _score(client, conversation)
-            start_lp = sum(x for x in (initial.prompt_logprobs or [])[prompt_len:] if x is not None)
+            start_lp = sum(x for x in initial.prompt_token_logprobs()[prompt_len:] if x is not None)
             print(f"target {ANSWER!r}: server logprob before training {start_lp:.4f}")
             for version in range(1, steps + 1):
                 batch = TokenBatch(input_ids=[ids], completion_start=[prompt_len])
@@ -81,7 +81,7 @@ async def _demo(steps: int, workdir: Path) -> int:
                 done = publisher.last.events[server.url] if publisher.last else None
                 versions = (await in_flight).choices[0].weight_versions
                 after = await _score(client, conversation)
-                server_lp = torch.tensor([x for x in after.prompt_logprobs or [] if x is not None])
+                server_lp = torch.tensor([x for x in after.prompt_token_logprobs() if x is not None])
                 trainer_lp = trainer.forward(TokenBatch(input_ids=[ids], completion_start=[prompt_len]))[0]
                 gap = float((server_lp - trainer_lp).abs().max())
                 target_lp = float(server_lp[prompt_len - 1 :].sum())

@@ -1,7 +1,8 @@
 """Wire types of the inference contract (HTTP bodies), shared by servers and clients.
 
-Every body is a pydantic model with ``extra="forbid"``: an unknown field is a 422 naming it,
-never silently dropped. This module imports no torch: dtypes travel as names.
+Every control-route body is a pydantic model with ``extra="forbid"``: an unknown field is an
+error naming it, never silently dropped. The generation request ignores unknown fields, as vLLM
+does (clients built against vLLM send its extensions). This module imports no torch: dtypes travel as names.
 """
 
 from __future__ import annotations
@@ -199,24 +200,67 @@ class ServerInfo(WireModel):
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------
 
 
-class ChatMessage(WireModel):
+class TextPart(BaseModel):
+    """One part of a message's content; text only (an image part is a 400 naming it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message: content as a string or a list of text parts (joined with newlines, as vLLM
+    does for string templates); ``name``, ``tool_calls`` and ``tool_call_id`` go to the chat
+    template as given. Unknown fields are ignored (as vLLM does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it (content a string)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text for p in content)
+        out = self.model_dump(exclude_none=True, exclude={"content"})
+        out["content"] = content if content is not None else ""
+        return out
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+#: The OpenAI/vLLM range of the presence and frequency penalties.
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class ChatCompletionRequest(BaseModel):
-    """OpenAI chat-completion request. Extensions: ``return_token_ids`` and ``ignore_eos`` (as in
-    vLLM), ``prompt_logprobs`` (logprob of every prompt token given its prefix). Unknown fields are
-    refused; OpenAI fields this contract cannot honour are refused with a message.
+    """OpenAI chat-completion request as vLLM 0.32 takes it. Unknown fields are ignored (as vLLM
+    does); a known field a backend cannot honour is a 400 naming it.
+
+    vLLM's extensions: ``return_token_ids``, ``ignore_eos``, ``top_k`` (``None``, 0 or -1: off),
+    ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
+    ``skip_special_tokens``, ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (every
+    logprob ``token`` is ``token_id:N``) and ``prompt_logprobs`` (``N``: each prompt token's
+    logprob given its prefix with the ``N`` best alternatives; ``true`` counts as 0).
+    Without ``max_tokens`` a request generates to the end of the context.
 
     **Which logprobs** (``logprobs``, ``top_logprobs``, ``prompt_logprobs``): always the raw
-    model's, ``log_softmax`` of the logits in float32, *before* temperature, top-p or any other
-    sampling transform, whatever the request's sampling settings; tokens are still *sampled* with
-    them. The trainer computes exactly these for its importance ratios, so an engine that reports
-    processed (temperature-scaled) logprobs breaks RL, not just a check (vLLM:
+    model's, ``log_softmax`` of the logits in float32, *before* temperature, penalties,
+    ``logit_bias``, top-k/top-p/min-p or any other sampling transform; tokens are still
+    *sampled* with them applied. The trainer computes exactly these for its importance ratios,
+    so an engine that reports processed logprobs breaks RL, not just a check (vLLM:
     ``logprobs_mode="raw_logprobs"``; SGLang: ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -224,22 +268,49 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     return_token_ids: bool = False
-    prompt_logprobs: bool = False
+    return_tokens_as_token_ids: bool = False
+    prompt_logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     #: Extension (as in vLLM): generate exactly the token budget, ignoring end-of-sequence.
     ignore_eos: bool = False
-    stream: Literal[False] = False
-    stop: None = None
+    stream: bool = False
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (empty strings dropped)."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return tuple(s for s in stop if s)
+
+    @property
+    def prompt_top(self) -> int | None:
+        """How many alternatives each prompt logprob carries (None: no prompt logprobs)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs is False:
+            return None
+        return 0 if self.prompt_logprobs is True else int(self.prompt_logprobs)
 
 
 class TopLogprob(WireModel):
@@ -266,12 +337,16 @@ class ChoiceLogprobs(WireModel):
 class AssistantMessage(WireModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(WireModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "abort"]
+    #: As in vLLM: the stop string or stop token id that ended the choice (None: end of sequence
+    #: or length).
+    stop_reason: str | int | None = None
     logprobs: ChoiceLogprobs | None = None
     #: Extension: completion token ids (with ``return_token_ids``).
     token_ids: list[int] | None = None
@@ -285,6 +360,15 @@ class Usage(WireModel):
     total_tokens: int
 
 
+class PromptLogprob(WireModel):
+    """One token of a prompt-logprob entry (vLLM's ``Logprob``): ``rank`` 1 is the most likely
+    (None: the engine does not report it)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionResponse(WireModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -294,12 +378,33 @@ class ChatCompletionResponse(WireModel):
     usage: Usage
     #: Extension: with ``return_token_ids``.
     prompt_token_ids: list[int] | None = None
-    #: Extension: with ``prompt_logprobs``, the raw model's logprob of each prompt token given its
-    #: prefix (before temperature, like every logprob here); the first entry is None.
-    prompt_logprobs: list[float | None] | None = None
+    #: Extension (vLLM's shape): with ``prompt_logprobs``, one entry per prompt token, the first
+    #: None: ``{token id: {logprob, rank, decoded_token}}`` for the prompt token and its best
+    #: alternatives; raw logprobs (before temperature, like every logprob here).
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+
+    def prompt_token_logprobs(self) -> list[float | None]:
+        """Each prompt token's own logprob from :attr:`prompt_logprobs` (first None): the
+        entry's token named by ``prompt_token_ids``, else its only token (``prompt_logprobs``
+        0 or true). ValueError without prompt logprobs or when an entry is ambiguous."""
+        if self.prompt_logprobs is None:
+            raise ValueError("the response has no prompt_logprobs (ask with prompt_logprobs)")
+        ids = self.prompt_token_ids
+        out: list[float | None] = []
+        for i, entry in enumerate(self.prompt_logprobs):
+            if entry is None:
+                out.append(None)
+            elif ids is not None:
+                out.append(entry[ids[i]].logprob)
+            elif len(entry) == 1:
+                out.append(next(iter(entry.values())).logprob)
+            else:
+                raise ValueError("prompt_logprobs entries with alternatives need prompt_token_ids (return_token_ids)")
+        return out
 
 
 class ErrorBody(WireModel):
-    """Every 4xx/5xx body of the contract: ``{"error": {"type", "message", "field"}}``."""
+    """Every 4xx/5xx body of the contract, OpenAI's shape: ``{"error": {"message", "type",
+    "param", "code"}}`` (``code``: the HTTP status, as vLLM sends)."""
 
     error: dict[str, Any]

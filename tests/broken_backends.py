@@ -460,6 +460,37 @@ class TokenPrefixOpensControl(ReferenceInferenceBackend):
         _serve_with_guard(self, config, lambda given: len(given) >= 8 and given[:8] == token[:8])
 
 
+class KeepsStopString(ReferenceInferenceBackend):
+    """Stops on a stop string but keeps it in the text, as if ``include_stop_str_in_output`` were
+    always set (an off-by-the-stop cut).
+
+    Caught by ``test_stop_strings_cut_where_they_should``: "is not the greedy text before the stop
+    string"."""
+
+    def _choice(self, index: int, r: GenerationResult, req: ChatCompletionRequest) -> ChatChoice:
+        return super()._choice(index, r, req.model_copy(update={"include_stop_str_in_output": True}))  # the bug
+
+
+class IgnoresLogitBias(ReferenceInferenceBackend):
+    """Accepts ``logit_bias`` and drops it before the engine (an adapter that forgets to map it).
+
+    Caught by ``test_logit_bias_forces_a_token``: "logit_bias +100 on token"."""
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        return await super().chat_completion(req.model_copy(update={"logit_bias": None}))  # the bug
+
+
+class IgnoresPenalties(ReferenceInferenceBackend):
+    """Accepts the presence, frequency and repetition penalties and drops them.
+
+    Caught by ``test_penalties_change_a_repetitive_greedy_text``: "frequency_penalty=2 left the most
+    repeated token"."""
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        dropped = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        return await super().chat_completion(req.model_copy(update=dropped))  # the bug
+
+
 # --- not caught by any standard check (gaps of the suite) ----------------------------------------
 
 
@@ -528,6 +559,9 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-refuses-past-batch": ("RefusesPastBatch", INFERENCE),
     "broken-api-key-opens-control": ("ApiKeyOpensControl", INFERENCE),
     "broken-token-prefix-opens-control": ("TokenPrefixOpensControl", INFERENCE),
+    "broken-keeps-stop-string": ("KeepsStopString", INFERENCE),
+    "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
+    "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
 }
 
 #: Broken backends no standard check catches yet.

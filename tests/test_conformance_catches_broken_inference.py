@@ -162,6 +162,21 @@ EXPECTED: dict[str, Expectation] = {
         "test_control_routes_need_the_control_token",
         "with the token plus one character: 4",
     ),
+    "broken-keeps-stop-string": Expectation(
+        "test_stop_strings_cut_where_they_should",
+        "test_stop_strings_cut_where_they_should",
+        "is not the greedy text before the stop string",
+    ),
+    "broken-ignores-logit-bias": Expectation(
+        "test_logit_bias_forces_a_token",
+        "test_logit_bias_forces_a_token",
+        "logit_bias +100 on token",
+    ),
+    "broken-ignores-penalties": Expectation(
+        "test_penalties_change_a_repetitive_greedy_text",
+        "test_penalties_change_a_repetitive_greedy_text",
+        "frequency_penalty=2 left the most repeated token",
+    ),
 }
 assert set(EXPECTED) == set(CAUGHT_BACKENDS), "every caught broken backend needs an expectation"
 

@@ -276,7 +276,8 @@ def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_pat
             assert long.json()["error"] == {
                 "type": "invalid_request",
                 "message": long.json()["error"]["message"],
-                "field": "max_tokens",
+                "param": "max_tokens",
+                "code": 400,
             }
             assert "exceeds the context (64)" in long.json()["error"]["message"]
             crash = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "user": "crash"})
@@ -289,7 +290,7 @@ def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_pat
                 headers={"authorization": "Bearer ctl"},
             )
             assert probe.status_code == 409 and probe.json()["error"]["type"] == "update_rejected"
-            assert probe.json()["error"]["field"] == "group"
+            assert probe.json()["error"]["param"] == "group"
             assert "init_process_group" in probe.json()["error"]["message"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

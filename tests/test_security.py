@@ -300,7 +300,7 @@ def test_init_process_group_joins_only_allowed_trainer_hosts(server: Any) -> Non
             r = await http.post("/init_process_group", json=req, headers=headers)
         assert r.status_code == 403, r.text
         err = r.json()["error"]
-        assert err["field"] == "init_method" and "192.0.2.1" in err["message"], err
+        assert err["param"] == "init_method" and "192.0.2.1" in err["message"], err
         assert "--allow-trainer-host" in err["message"]
 
     run(body)
@@ -330,7 +330,7 @@ def test_version_past_the_bound_is_refused_and_later_updates_work(server: Any, t
             headers = {"Authorization": f"Bearer {server.control_token}"}
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
                 r = await http.post("/request_weight_update", json=update_body(info, 2**64 + 7), headers=headers)
-            assert r.status_code == 422 and r.json()["error"]["field"] == "version", r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
             await publish(pub, trainer, info.version + 1)  # a normal update still works
             assert (await client.info()).version == info.version + 1
             await pub.close()

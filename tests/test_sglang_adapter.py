@@ -249,11 +249,11 @@ def test_reference_trainer_updates_sglang_and_logprobs_agree(
             prompt = resp.prompt_token_ids or []
             seq = prompt + (choice.token_ids or [])
             lp = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[len(prompt)]))[0]
-            served_prompt = torch.tensor([x for x in resp.prompt_logprobs or [] if x is not None])
+            served_prompt = torch.tensor([x for x in resp.prompt_token_logprobs() if x is not None])
             served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
             assert (served_prompt - lp[: len(prompt) - 1]).abs().max() < 1e-4
             assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
-            old = torch.tensor([x for x in before.prompt_logprobs or [] if x is not None])
+            old = torch.tensor([x for x in before.prompt_token_logprobs() if x is not None])
             assert (old - served_prompt).abs().max() > 1e-3, "the step did not change the served logprobs"
             await pub.close()
 

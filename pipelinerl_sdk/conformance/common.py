@@ -51,7 +51,9 @@ def check_against_mirror(resp: ChatCompletionResponse, mirror: Mirror, *, prompt
     if prompt:
         assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
         assert resp.prompt_logprobs[0] is None
-        ok, msg = compare([x for x in resp.prompt_logprobs[1:] if x is not None], ref[: n_prompt - 1], mirror.dtype)
+        ok, msg = compare(
+            [x for x in resp.prompt_token_logprobs()[1:] if x is not None], ref[: n_prompt - 1], mirror.dtype
+        )
         assert ok, f"prompt logprobs differ from the weights the server should hold: {msg}"
 
 

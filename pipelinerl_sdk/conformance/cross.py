@@ -223,7 +223,7 @@ def _check_update(trainer_target: TrainerTarget, sut: ServerUnderTest, *, world_
         assert ok, f"completion logprobs: {where}server and trainer disagree after the update: {msg}"
         if caps.prompt_logprobs:
             assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == n_prompt
-            got = [x for x in resp.prompt_logprobs[1:] if x is not None]
+            got = [x for x in resp.prompt_token_logprobs()[1:] if x is not None]
             ok, msg = compare(got, want[: n_prompt - 1], dtype)
             assert ok, f"prompt logprobs: {where}server and trainer disagree after the update: {msg}"
 

@@ -31,6 +31,7 @@ from pipelinerl_sdk.conformance.common import (
     open_connections,
     openai_headers,
 )
+from pipelinerl_sdk.conformance.generation import GenerationChecks
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.sampling import SamplingChecks
 from pipelinerl_sdk.conformance.serving import ServingChecks
@@ -100,16 +101,16 @@ def _bad_update_cases(info: ServerInfo) -> dict[str, tuple[dict[str, Any] | str,
             422,
         ),
         "missing-param": (update_body(info, v + 1, params=params[1:]), 422),
-        # versions start at 1 on the wire: a stale 0 fails the schema (422), others are conflicts
-        "same-version": (update_body(info, v), 409 if v >= 1 else 422),
-        "older-version": (update_body(info, max(v - 1, 0)), 409 if v >= 2 else 422),
+        # versions start at 1 on the wire: a stale 0 fails the schema (400), others are conflicts
+        "same-version": (update_body(info, v), 409 if v >= 1 else 400),
+        "older-version": (update_body(info, max(v - 1, 0)), 409 if v >= 2 else 400),
         "bad-digest": (update_body(info, v + 1, plan_digest="f" * 64), 400),
-        "unknown-field": (update_body(info, v + 1, surprise=True), 422),
-        "malformed-json": ("{not json", 422),
+        "unknown-field": (update_body(info, v + 1, surprise=True), 400),
+        "malformed-json": ("{not json", 400),
     }
 
 
-class InferenceContractTests(SamplingChecks, VersionTagChecks, ServingChecks):
+class InferenceContractTests(SamplingChecks, GenerationChecks, VersionTagChecks, ServingChecks):
     """The inference contract, checked on ``server_under_test`` (one server per module)."""
 
     # --- schemas and basics ---------------------------------------------------------------------
@@ -202,9 +203,10 @@ class InferenceContractTests(SamplingChecks, VersionTagChecks, ServingChecks):
 
         arun(body)
 
-    def test_malformed_chat_bodies_are_422(self, server_under_test: ServerUnderTest) -> None:
-        """Bad chat requests get 4xx with a message naming the problem (a ``max_tokens`` past the
-        declared ``max_model_len`` included), and the server keeps serving."""
+    def test_malformed_chat_bodies_are_400(self, server_under_test: ServerUnderTest) -> None:
+        """Bad chat requests get 400 in OpenAI's error shape, ``param`` naming the field (a
+        ``max_tokens`` past the declared ``max_model_len`` included); an unknown field is ignored
+        (as vLLM does); the server keeps serving."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
@@ -213,23 +215,25 @@ class InferenceContractTests(SamplingChecks, VersionTagChecks, ServingChecks):
             async with httpx.AsyncClient(
                 base_url=server_under_test.url, timeout=60, headers=openai_headers(server_under_test)
             ) as http:
-                bad: dict[str, Any]
-                cases: list[dict[str, Any]] = [
-                    {},
-                    {"messages": []},
-                    {"messages": PROMPT, "max_tokens": 0},
-                    {"messages": PROMPT, "bogus": 1},
+                cases: list[tuple[dict[str, Any], str]] = [
+                    ({}, "messages"),
+                    ({"messages": []}, "messages"),
+                    ({"messages": PROMPT, "max_tokens": 0}, "max_tokens"),
+                    ({"messages": PROMPT, "temperature": -1}, "temperature"),
                 ]
                 if limit is not None:
-                    cases.append({"messages": PROMPT, "max_tokens": limit})
-                for bad in cases:
+                    cases.append(({"messages": PROMPT, "max_tokens": limit}, "max_tokens"))
+                for bad, param in cases:
                     r = await http.post("/v1/chat/completions", json=bad)
-                    assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
-                    assert r.json()["error"]["message"]
+                    assert r.status_code == 400, (bad, r.status_code, r.text)
+                    err = r.json()["error"]
+                    assert err["message"] and err["param"] == param and err["code"] == 400, (bad, r.text)
+                r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2, "bogus": 1})
+                assert r.status_code == 200, f"an unknown field must be ignored (as vLLM does): {r.text}"
                 r = await http.post(
                     "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
                 )
-                assert 400 <= r.status_code < 500
+                assert r.status_code == 400, r.text
                 r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
                 assert r.status_code == 200
 

@@ -11,12 +11,14 @@ a wrong one; every token is checked before the body is read):
   received); then ``200`` with an NDJSON stream: ``accepted`` once the receive is armed, then
   ``done`` or ``error``;
 - ``POST /probe_broadcast`` (control): one flat broadcast, for link checks and benchmarks;
-- ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured).
+- ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured; a missing or
+  wrong key is 401, as OpenAI answers).
 
 At most one control operation runs at a time; a second is refused with 409, never queued.
 
-Every error is a JSON body of the protocol's schema (``ErrorBody``): SDK errors map to a status
-through :data:`ERROR_STATUS`, anything unexpected is a 500 ``internal_error``. Serving (binding,
+Every error is a JSON body in OpenAI's shape (``ErrorBody``): SDK errors map to a status
+through :data:`ERROR_STATUS` (the one table from exception types to statuses), a malformed body
+is a 400 naming the field, anything unexpected is a 500 ``internal_error``. Serving (binding,
 lifespan, signals, the ready file) is :mod:`pipelinerl_sdk.kit.inference.serve`'s business.
 
 One exception to the single control slot: ``/init_process_group`` ends an update that still waits
@@ -40,6 +42,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict, check_group_id
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PipelineRLError, UpdateFailed, UpdateRejected
@@ -65,7 +68,11 @@ class HTTPError(Exception):
 
 
 def error_response(status: int, message: str, *, kind: str, field: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message, "field": field}}, status_code=status)
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``; ``param`` names
+    the offending request field, ``code`` is the status (as vLLM sends)."""
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": field, "code": status}}, status_code=status
+    )
 
 
 #: The one table from SDK errors to HTTP status and error type; the first row whose class the
@@ -117,8 +124,8 @@ class _ContractRoute(APIRoute):
 Guard = Callable[[Request], Awaitable[None]]
 
 
-def _bearer_guard(tokens: tuple[str, ...], what: str) -> Guard:
-    """Accept any of ``tokens`` (none: open)."""
+def _bearer_guard(tokens: tuple[str, ...], what: str, *, wrong: int = 403) -> Guard:
+    """Accept any of ``tokens`` (none: open); a missing one is 401, a wrong one ``wrong``."""
 
     async def guard(request: Request) -> None:
         if not tokens:
@@ -128,7 +135,8 @@ def _bearer_guard(tokens: tuple[str, ...], what: str) -> Guard:
             raise HTTPError(401, f"missing bearer token for {what}", kind="authentication_error")
         given = header[7:].strip().encode()
         if not any([secrets.compare_digest(given, t.encode()) for t in tokens]):  # every one compared
-            raise HTTPError(403, f"wrong bearer token for {what}", kind="permission_error")
+            kind = "authentication_error" if wrong == 401 else "permission_error"
+            raise HTTPError(wrong, f"wrong bearer token for {what}", kind=kind)
 
     return guard
 
@@ -198,7 +206,7 @@ def build_router(
     if api_key is not None and secrets.compare_digest(control_token, api_key):
         raise ValueError("control_token must differ from the OpenAI api_key")
     control = _bearer_guard((control_token,), "control routes")
-    openai = _bearer_guard((api_key,) if api_key else (), "the OpenAI routes")
+    openai = _bearer_guard((api_key,) if api_key else (), "the OpenAI routes", wrong=401)  # as OpenAI
     read = _bearer_guard((api_key, control_token) if api_key else (), "this route")
     open_: Guard = _bearer_guard((), "")
     guards = {
@@ -214,6 +222,7 @@ def build_router(
     slot = _ControlSlot()
     router = APIRouter(route_class=_guarded_route(guards))
     served = served_model_name(backend.model_name)
+    created = int(time.time())
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
@@ -325,7 +334,9 @@ def build_router(
                 {
                     "id": served,
                     "object": "model",
+                    "created": created,
                     "owned_by": backend.name,
+                    "root": served,
                     "max_model_len": backend.max_model_len,
                 }
             ],
@@ -351,9 +362,17 @@ def _line(event: UpdateEvent) -> bytes:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error as ``{"error": {"type", "message", "field"}}``: HTTPError as raised, SDK
-    errors by :data:`ERROR_STATUS`, body validation as 422, and any other exception as a 500
-    ``internal_error`` (logged with its traceback), never a plain-text body."""
+    """Answer every error in OpenAI's shape (:func:`error_response`): HTTPError as raised, SDK
+    errors by :data:`ERROR_STATUS`, body validation as 400 naming the field in ``param`` (as
+    OpenAI and vLLM do), an unknown route or method (404/405) likewise, and any other exception
+    as a 500 ``internal_error`` (logged with its traceback), never a plain-text body."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(_: Request, e: StarletteHTTPException) -> Response:
+        kinds = {404: "not_found_error", 405: "method_not_allowed"}
+        response = error_response(e.status_code, str(e.detail), kind=kinds.get(e.status_code, "invalid_request"))
+        response.headers.update(e.headers or {})
+        return response
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
@@ -377,7 +396,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "; ".join(
             f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: {err.get('msg')}" for err in errors[:5]
         )
-        return error_response(422, message, kind="invalid_request", field=field)
+        return error_response(400, message, kind="invalid_request", field=field)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -17,7 +17,7 @@ import torch
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps, local_steps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat
+from pipelinerl_sdk.kit.inference.chat import StopRule, assemble_choice, assemble_response, prepare_chat, prompt_entries
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
@@ -117,6 +117,8 @@ class ReferenceInferenceBackend(KitBackend):
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
         plan = prepare_chat(self.tokenizer, req, self.engine.max_model_len)
+        rule = StopRule(self.tokenizer, req)
+        prompt_top = req.prompt_top
         results = await asyncio.gather(
             *(
                 self.engine.generate(
@@ -125,33 +127,52 @@ class ReferenceInferenceBackend(KitBackend):
                         max_tokens=plan.max_tokens,
                         temperature=req.temperature,
                         top_p=req.top_p,
+                        top_k=req.top_k or 0,
+                        min_p=req.min_p,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty,
+                        logit_bias=tuple((req.logit_bias or {}).items()),
                         seed=None if req.seed is None else req.seed + i,
+                        stop_token_ids=plan.stop_token_ids,
+                        stop_check=rule.hit if plan.stop else None,
                         top_logprobs=plan.top,
-                        prompt_logprobs=req.prompt_logprobs and i == 0,
+                        prompt_logprobs=prompt_top is not None and i == 0,
+                        prompt_top=prompt_top or 0,
                         ignore_eos=req.ignore_eos,
                     ),
                 )
                 for i in range(req.n)
             )
         )
+        first = results[0]
         return assemble_response(
             self.model_name,
             req,
             plan,
             [self._choice(i, r, req) for i, r in enumerate(results)],
             completion_tokens=sum(len(r.token_ids) for r in results),
-            prompt_logprobs=results[0].prompt_logprobs,
+            prompt_logprobs=None
+            if first.prompt_logprobs is None
+            else prompt_entries(
+                self.tokenizer, plan.prompt_ids, first.prompt_logprobs, first.prompt_ranks, first.prompt_tops
+            ),
         )
 
     def _choice(self, index: int, r: GenerationResult, req: wire.ChatCompletionRequest) -> wire.ChatChoice:
+        """One choice; its text by vLLM's stop rule (:class:`StopRule`) over the engine's ids."""
+        finish = r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "abort"
+        stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.engine.eos_token_ids)
+        text, stop_reason = StopRule(self.tokenizer, req).finish(r.token_ids, finish, stop_ids)  # type: ignore[arg-type]
         return assemble_choice(
             self.tokenizer,
             index,
             req,
-            text=str(self.tokenizer.decode(r.token_ids, skip_special_tokens=True)),
+            text=text,
             token_ids=r.token_ids,
             versions=r.versions,
-            finish_reason=r.finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish,  # type: ignore[arg-type]
             logprobs=r.logprobs,
             top_logprobs=r.top_logprobs or None,
+            stop_reason=stop_reason,
         )

@@ -12,6 +12,9 @@ INFERENCE = InferenceCapabilities(
     prompt_logprobs=True,
     top_logprobs=True,
     dtypes=frozenset({"float32", "bfloat16"}),
+    stop_strings=True,
+    logit_bias=True,
+    penalties=True,
 )
 
 TRAINER = TrainerCapabilities(

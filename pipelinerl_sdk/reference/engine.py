@@ -19,7 +19,7 @@ import asyncio
 import secrets
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from dataclasses import dataclass, field
 
@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.kit.inference.gate import PauseHandle, StepGate
+from pipelinerl_sdk.reference.sampling import process_logits, sample
 
 __all__ = [
     "ContinuousBatchingEngine",
@@ -57,9 +59,36 @@ class SamplingParams:
     #: Generate exactly ``max_tokens`` (or up to ``max_model_len``): EOS ids do not stop;
     #: ``stop_token_ids`` still do.
     ignore_eos: bool = False
+    #: Alternatives reported with each prompt logprob (with ``prompt_logprobs``).
+    prompt_top: int = 0
+    #: ``<= 0``: off.
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: ``(token id, bias)`` pairs added to the logits before sampling.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Called on the output ids after every token; True stops the request (``"stop"``): the
+    #: stop strings (:class:`~pipelinerl_sdk.kit.inference.chat.StopRule`).
+    stop_check: Callable[[Sequence[int]], bool] | None = None
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` on out-of-range settings."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` (an InvalidRequest naming the field) on out-of-range settings,
+        token ids outside ``vocab_size`` included."""
+        if vocab_size is not None:
+            for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
+                bad = [t for t in ids if not 0 <= t < vocab_size]
+                if bad:
+                    raise InvalidRequest(
+                        f"{name}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})", field=name
+                    )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequest(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", field="repetition_penalty"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -79,7 +108,7 @@ class GenerationResult:
     that produced it; ``top_logprobs[i]`` the best ``top_logprobs`` alternatives as
     ``(token_id, logprob)``, best first (empty lists when not requested). ``prompt_logprobs``
     (when requested) has one entry per prompt token, the first being ``None``. ``finish_reason``:
-    ``"stop"`` (eos/stop token, included in ``token_ids``), ``"length"`` (``max_tokens`` or
+    ``"stop"`` (eos/stop token, included in ``token_ids``, or ``stop_check``), ``"length"`` (``max_tokens`` or
     ``max_model_len`` reached) or ``"abort"`` (engine stopped).
     """
 
@@ -90,6 +119,10 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]]
     prompt_logprobs: list[float | None] | None
     finish_reason: str
+    #: With ``prompt_logprobs``: each prompt token's rank (1: the most likely; first None) and
+    #: its ``prompt_top`` best alternatives ``(token id, logprob)``.
+    prompt_ranks: list[int | None] | None = None
+    prompt_tops: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +150,9 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int | None] | None = None
+    prompt_tops: list[list[tuple[int, float]]] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
     cancelled: bool = False
     finish_reason: str | None = None
 
@@ -197,6 +233,11 @@ class ContinuousBatchingEngine:
         return self.gate.version
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end every request not ``ignore_eos``."""
+        return self._eos_ids
+
+    @property
     def max_model_len(self) -> int:
         """Prompt plus generated tokens never exceed this."""
         return self._max_model_len
@@ -238,7 +279,7 @@ class ContinuousBatchingEngine:
         Cancelling the awaiting task drops the request from the engine.
         """
         prompt = [int(t) for t in prompt_token_ids]
-        params.validate()
+        params.validate(self._vocab_size)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         if len(prompt) >= self._max_model_len:
@@ -260,6 +301,9 @@ class ContinuousBatchingEngine:
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids),
             generator=generator,
         )
+        if params.logit_bias:
+            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=self._device)
+            request.bias = (ids, torch.tensor([b for _, b in params.logit_bias], device=self._device))
         with self._cond:
             if self._dead is not None:
                 raise RuntimeError("engine loop died") from self._dead
@@ -336,6 +380,8 @@ class ContinuousBatchingEngine:
             top_logprobs=request.top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
             finish_reason=request.finish_reason,
+            prompt_ranks=request.prompt_ranks,
+            prompt_tops=request.prompt_tops,
         )
 
     def _finish_all(self, exc: BaseException | None) -> None:
@@ -417,9 +463,22 @@ class ContinuousBatchingEngine:
         if request.params.prompt_logprobs:
             logp = torch.log_softmax(logits[:-1], dim=-1)
             targets = ids[0, 1:].unsqueeze(-1)
+            chosen = logp.gather(-1, targets)
             values: list[float | None] = [None]
-            values.extend(logp.gather(-1, targets).squeeze(-1).tolist())
+            values.extend(chosen.squeeze(-1).tolist())
             request.prompt_logprobs = values
+            ranks: list[int | None] = [None]
+            ranks.extend((1 + (logp > chosen).sum(-1)).tolist())
+            request.prompt_ranks = ranks
+            k = request.params.prompt_top
+            request.prompt_tops = [[]]
+            if k:
+                top = torch.topk(logp, k)
+                request.prompt_tops.extend(
+                    list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                )
+            else:
+                request.prompt_tops.extend([] for _ in range(len(request.prompt) - 1))
         self._record(request, logits[-1], torch.log_softmax(logits[-1], dim=-1), version)
         return [(k, v) for k, v, _ in cache]
 
@@ -488,7 +547,16 @@ class ContinuousBatchingEngine:
     def _record(self, request: _Request, logits: torch.Tensor, logp: torch.Tensor, version: int) -> None:
         """Sample ``request``'s next token from its fp32 ``logits`` row; record it, its logprob."""
         params = request.params
-        token = self._sample(logits, params, request.generator)
+        processed = process_logits(
+            logits,
+            prompt=request.prompt,
+            output=request.token_ids,
+            bias=request.bias,
+            repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+        )
+        token = self._sample(processed, params, request.generator)
         request.token_ids.append(token)
         request.logprobs.append(float(logp[token]))
         request.versions.append(version)
@@ -498,20 +566,18 @@ class ContinuousBatchingEngine:
         else:
             request.top_logprobs.append([])
         total = len(request.prompt) + len(request.token_ids)
-        if token in request.stop_ids:
+        if token in request.stop_ids or (params.stop_check is not None and params.stop_check(request.token_ids)):
             request.finish_reason = "stop"
         elif len(request.token_ids) >= params.max_tokens or total >= self._max_model_len:
             request.finish_reason = "length"
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-        if params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            drop = cumulative - sorted_probs >= params.top_p  # keeps at least the most likely token
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        choice = torch.multinomial(probs, 1, generator=generator or self._generator)
-        return int(choice)
+        """One token from the processed fp32 ``logits`` row (:func:`~.sampling.sample`)."""
+        return sample(
+            logits,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            generator=generator or self._generator,
+        )

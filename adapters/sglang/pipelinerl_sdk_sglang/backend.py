@@ -35,9 +35,15 @@ from typing import Any
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
-from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import (
+    assemble_choice,
+    assemble_response,
+    prepare_chat,
+    prompt_entries,
+    versions_from_spans,
+)
 from pipelinerl_sdk.weights.auth import store_name
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
@@ -51,6 +57,9 @@ from pipelinerl_sdk_sglang.engine import (
 from pipelinerl_sdk_sglang.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_sglang")
+
+#: Request fields SGLang's native sampling parameters have no counterpart for (a 400 naming them).
+UNSUPPORTED = {"logit_bias": "not served on SGLang (its native sampling parameters have no logit bias)"}
 
 OPTIONS = {
     "context_length": "context length, prompt + completion (default 2048)",
@@ -328,19 +337,34 @@ class SGLangInferenceBackend(KitBackend):
     # --- generation -------------------------------------------------------------------------------
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = prepare_chat(self._tokenizer, req, self._context)
+        plan = prepare_chat(self._tokenizer, req, self._context, unsupported=UNSUPPORTED)
+        if req.prompt_top:
+            raise InvalidRequest(
+                "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
+                field="prompt_logprobs",
+            )
 
         async def one(i: int) -> dict[str, Any]:
             sampling: dict[str, Any] = {
                 "max_new_tokens": plan.max_tokens,
                 "temperature": req.temperature,
                 "top_p": req.top_p,
+                "top_k": req.top_k or -1,
+                "min_p": req.min_p,
+                "presence_penalty": req.presence_penalty,
+                "frequency_penalty": req.frequency_penalty,
+                "repetition_penalty": req.repetition_penalty,
                 "ignore_eos": req.ignore_eos,
-                "skip_special_tokens": True,
+                "skip_special_tokens": req.skip_special_tokens,
+                "no_stop_trim": req.include_stop_str_in_output,
             }
+            if plan.stop:
+                sampling["stop"] = list(plan.stop)
+            if plan.stop_token_ids:
+                sampling["stop_token_ids"] = list(plan.stop_token_ids)
             if req.seed is not None:
                 sampling["sampling_seed"] = req.seed + i
-            prompt_lps = req.prompt_logprobs and i == 0
+            prompt_lps = req.prompt_top is not None and i == 0
             body: dict[str, Any] = {
                 "input_ids": plan.prompt_ids,
                 "sampling_params": sampling,
@@ -352,14 +376,16 @@ class SGLangInferenceBackend(KitBackend):
             return await self.sglang.generate(body)
 
         outs = await asyncio.gather(*(one(i) for i in range(req.n)))
-        prompt_lps: list[float | None] | None = None
-        if req.prompt_logprobs:
+        prompt_lps: list[dict[int, wire.PromptLogprob] | None] | None = None
+        if req.prompt_top is not None:
             raw = outs[0]["meta_info"].get("input_token_logprobs") or []
             if len(raw) != len(plan.prompt_ids):
                 raise RuntimeError(
                     f"SGLang returned {len(raw)} prompt logprobs for {len(plan.prompt_ids)} prompt tokens"
                 )
-            prompt_lps = [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
+            prompt_lps = prompt_entries(
+                self._tokenizer, plan.prompt_ids, [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
+            )
         return assemble_response(
             self.model_name,
             req,

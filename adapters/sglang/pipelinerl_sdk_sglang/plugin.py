@@ -24,6 +24,8 @@ CAPABILITIES = InferenceCapabilities(
     prompt_logprobs=True,
     top_logprobs=True,
     dtypes=frozenset({"float32", "bfloat16"}),
+    stop_strings=True,
+    penalties=True,
 )
 
 

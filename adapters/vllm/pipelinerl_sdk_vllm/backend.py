@@ -244,12 +244,21 @@ class VLLMInferenceBackend(KitBackend):
                 n=1,
                 temperature=req.temperature,
                 top_p=req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=dict(req.logit_bias) if req.logit_bias else None,
                 seed=None if req.seed is None else req.seed + i,
                 max_tokens=plan.max_tokens,
+                stop=list(plan.stop) or None,
+                stop_token_ids=list(plan.stop_token_ids) or None,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=plan.top if req.logprobs else None,
-                prompt_logprobs=0 if (req.prompt_logprobs and i == 0) else None,
+                prompt_logprobs=req.prompt_top if i == 0 else None,
                 ignore_eos=req.ignore_eos,
-                skip_special_tokens=True,
+                skip_special_tokens=req.skip_special_tokens,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             final = None
@@ -262,12 +271,19 @@ class VLLMInferenceBackend(KitBackend):
             return final
 
         outs = await asyncio.gather(*(one(i) for i in range(req.n)))
-        prompt_lps: list[float | None] | None = None
-        if req.prompt_logprobs:
+        prompt_lps: list[dict[int, wire.PromptLogprob] | None] | None = None
+        if req.prompt_top is not None:
             raw = outs[0].prompt_logprobs or []
             prompt_lps = [None]
-            for tid, entry in zip(plan.prompt_ids[1:], raw[1:], strict=True):
-                prompt_lps.append(float(entry[tid].logprob) if entry is not None and tid in entry else None)
+            for entry in raw[1:]:
+                prompt_lps.append(
+                    None
+                    if entry is None
+                    else {
+                        int(t): wire.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                        for t, lp in entry.items()
+                    }
+                )
         return assemble_response(
             self.model_name,
             req,
@@ -295,6 +311,7 @@ class VLLMInferenceBackend(KitBackend):
                 engine="vLLM",
             ),
             finish_reason=finish,
+            stop_reason=c.stop_reason,
             logprobs=[entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
             if req.logprobs
             else (),

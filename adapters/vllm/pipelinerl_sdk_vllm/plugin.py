@@ -23,6 +23,9 @@ CAPABILITIES = InferenceCapabilities(
     prompt_logprobs=True,
     top_logprobs=True,
     dtypes=frozenset({"float32", "bfloat16"}),
+    stop_strings=True,
+    logit_bias=True,
+    penalties=True,
 )
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from jinja2 import TemplateError
 
 from pipelinerl_sdk.errors import InvalidRequest, PromptTooLong
 from pipelinerl_sdk.logprobs import choice_logprobs
@@ -17,55 +19,103 @@ from pipelinerl_sdk.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    PromptLogprob,
     Usage,
 )
 
-#: The token budget of a request that names none (capped by the room left in the context).
-DEFAULT_MAX_TOKENS = 256
-
 FinishReason = Literal["stop", "length", "abort"]
+
+#: Arguments of the template call a request's ``chat_template_kwargs`` may not override.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "return_dict", "return_tensors", "add_generation_prompt"}
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
     """What to generate for one request: the templated prompt's ids, the token budget (fits the
-    context), and how many top alternatives to report (0: none)."""
+    context; without one in the request, the rest of the context, as vLLM), how many top
+    alternatives to report (0: none), the stop strings and stop token ids."""
 
     prompt_ids: list[int]
     max_tokens: int
     top: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def refuse(req: ChatCompletionRequest, unsupported: Mapping[str, str]) -> None:
+    """InvalidRequest naming the first field of ``unsupported`` (name -> why) the request sets
+    to other than its default, and for what no backend serves yet: streaming, a structured
+    ``response_format``, a ``tool_choice`` that forces a call."""
+    defaults = ChatCompletionRequest.model_fields
+    for name, why in unsupported.items():
+        if name in req.model_fields_set and getattr(req, name) != defaults[name].default:
+            raise InvalidRequest(f"{name}: {why}", field=name)
+    if req.stream:
+        raise InvalidRequest("stream: streaming is not served yet; send stream=false", field="stream")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequest(
+            f"response_format: type {req.response_format.type!r} (structured output) is not served; only 'text'",
+            field="response_format",
+        )
+    if req.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequest(
+            "tool_choice: only 'none' and 'auto' are served (the template renders the tools; the output is "
+            "plain text, no tool-call parser)",
+            field="tool_choice",
+        )
+
+
+def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """The request's messages (and ``tools``) through the chat template, with its
+    ``chat_template_kwargs``; InvalidRequest naming the field if the template refuses them."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs: may not set {reserved}", field="chat_template_kwargs")
+    if req.tools:
+        kwargs["tools"] = req.tools
+    try:
+        encoded = tokenizer.apply_chat_template(
+            [m.for_template() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
+        )
+    except (TemplateError, TypeError, ValueError) as e:
+        field = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
+        raise InvalidRequest(f"{field}: the chat template refused the request: {e}", field=field) from e
+    return [int(t) for t in encoded]
 
 
 def prepare_chat(
-    tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
+    tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, unsupported: Mapping[str, str] = {}
 ) -> ChatPlan:
-    """Apply the chat template and check the request against the context. Raises
-    :class:`InvalidRequest` (``top_logprobs`` without ``logprobs``) or :class:`PromptTooLong`
-    (prompt plus budget past ``max_model_len``), each naming the field; the router answers 400."""
+    """Check the request (:func:`refuse` with the backend's ``unsupported`` fields), apply the
+    chat template and check the context. Raises :class:`InvalidRequest` (``top_logprobs``
+    without ``logprobs``, an unsupported field) or :class:`PromptTooLong` (prompt plus budget
+    past ``max_model_len``), each naming the field; the router answers 400."""
+    refuse(req, unsupported)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", field="top_logprobs")
-    encoded = tokenizer.apply_chat_template(
-        [m.model_dump() for m in req.messages],
-        add_generation_prompt=req.add_generation_prompt,
-        tokenize=True,
-        return_dict=False,
-    )
-    prompt_ids = [int(t) for t in encoded]
+    prompt_ids = render_prompt(tokenizer, req)
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise PromptTooLong(
             f"prompt ({len(prompt_ids)} tokens) leaves no room to generate in the context ({max_model_len})",
             field="messages",
         )
-    max_tokens = req.token_budget or min(default_max_tokens, room)
+    max_tokens = req.token_budget or room
     if max_tokens > room:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise PromptTooLong(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
             field=field,
         )
-    return ChatPlan(prompt_ids, max_tokens, top)
+    return ChatPlan(prompt_ids, max_tokens, top, req.stop_strings, tuple(req.stop_token_ids or ()))
 
 
 def versions_from_spans(spans: Iterable[tuple[int, int, int]], n: int, *, engine: str) -> list[int]:
@@ -80,6 +130,70 @@ def versions_from_spans(spans: Iterable[tuple[int, int, int]], n: int, *, engine
     return versions
 
 
+class StopRule:
+    """vLLM's stop rule over token ids, for engines that give ids only: a sequence stops once its decoded text (with the
+    request's ``skip_special_tokens``) contains a stop string; the text ends before it (after it
+    with ``include_stop_str_in_output``). The token that completed it stays in the token ids."""
+
+    def __init__(self, tokenizer: Any, req: ChatCompletionRequest) -> None:
+        self.tokenizer, self.stops = tokenizer, req.stop_strings
+        self.skip_special, self.include = req.skip_special_tokens, req.include_stop_str_in_output
+        self.stop_token_ids = frozenset(req.stop_token_ids or ())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special))
+
+    def hit(self, token_ids: Sequence[int]) -> bool:
+        """Whether the text of ``token_ids`` holds a stop string (checked after every token)."""
+        if not self.stops:
+            return False
+        text = self.decode(token_ids)
+        return any(s in text for s in self.stops)
+
+    def finish(
+        self, token_ids: Sequence[int], finish_reason: FinishReason, stop_ids: frozenset[int]
+    ) -> tuple[str, str | int | None]:
+        """(text, stop_reason) of a finished sequence: cut at the earliest stop string; a stop
+        token's own text left out unless ``include_stop_str_in_output`` (as vLLM). ``stop_ids``
+        are the ids that ended the request (EOS unless ignored, ``stop_token_ids``)."""
+        ids = list(token_ids)
+        if finish_reason == "stop" and ids and ids[-1] in stop_ids:
+            text = self.decode(ids if self.include else ids[:-1])
+            return text, ids[-1] if ids[-1] in self.stop_token_ids else None
+        text = self.decode(ids)
+        found = [(text.find(s), s) for s in self.stops if s in text]
+        if not found:
+            return text, None
+        at, stop = min(found, key=lambda f: (f[0], -len(f[1])))
+        return text[: at + (len(stop) if self.include else 0)], stop
+
+
+def prompt_entries(
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    logprobs: Sequence[float | None],
+    ranks: Sequence[int | None] | None = None,
+    tops: Sequence[Sequence[tuple[int, float]]] | None = None,
+) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then ``{id: {logprob, rank,
+    decoded_token}}`` for the prompt token and its best alternatives (``tops[i]``, with their
+    rank by order). ``ranks`` None: the engine does not report the prompt token's rank."""
+    out: list[dict[int, PromptLogprob] | None] = [None]
+    for i in range(1, len(prompt_ids)):
+        lp = logprobs[i]
+        if lp is None:
+            out.append(None)
+            continue
+        entry: dict[int, PromptLogprob] = {}
+        for r, (tid, tlp) in enumerate((tops[i] if tops is not None else ()), start=1):
+            entry[int(tid)] = PromptLogprob(logprob=float(tlp), rank=r, decoded_token=str(tokenizer.decode([tid])))
+        tid = int(prompt_ids[i])
+        rank = ranks[i] if ranks is not None else None
+        entry[tid] = PromptLogprob(logprob=float(lp), rank=rank, decoded_token=str(tokenizer.decode([tid])))
+        out.append(entry)
+    return out
+
+
 def assemble_choice(
     tokenizer: Any,
     index: int,
@@ -91,6 +205,7 @@ def assemble_choice(
     finish_reason: FinishReason,
     logprobs: Sequence[float] = (),
     top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> ChatChoice:
     """One choice: ``logprobs`` (raw, one per token) and ``top_logprobs`` (``(id, logprob)`` best
     first, already cut to the request's count) are reported only if the request asked."""
@@ -98,7 +213,10 @@ def assemble_choice(
         index=index,
         message=AssistantMessage(content=text),
         finish_reason=finish_reason,
-        logprobs=choice_logprobs(tokenizer, token_ids, logprobs, top_logprobs) if req.logprobs else None,
+        stop_reason=stop_reason,
+        logprobs=choice_logprobs(tokenizer, token_ids, logprobs, top_logprobs, as_ids=req.return_tokens_as_token_ids)
+        if req.logprobs
+        else None,
         token_ids=list(token_ids) if req.return_token_ids else None,
         weight_versions=list(versions),
     )
@@ -111,7 +229,7 @@ def assemble_response(
     choices: Sequence[ChatChoice],
     *,
     completion_tokens: int,
-    prompt_logprobs: list[float | None] | None = None,
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None,
 ) -> ChatCompletionResponse:
     """The response: usage counted, prompt token ids and prompt logprobs only if asked."""
     prompt = plan.prompt_ids
@@ -126,5 +244,5 @@ def assemble_response(
             total_tokens=len(prompt) + completion_tokens,
         ),
         prompt_token_ids=list(prompt) if req.return_token_ids else None,
-        prompt_logprobs=prompt_logprobs if req.prompt_logprobs else None,
+        prompt_logprobs=prompt_logprobs if req.prompt_top is not None else None,
     )

@@ -1,0 +1,121 @@
+"""Checks that generation parameters do what vLLM does with them: the engine's sampling, not only
+the schema. Each is gated on the capability the backend declares.
+
+- ``stop``: the text with a stop string is the same greedy generation's text up to (excluded)
+  the stop string's first occurrence, and ``stop`` is its finish reason; with
+  ``include_stop_str_in_output`` it ends with the stop string. Exact (no tolerance).
+- ``logit_bias``: +100 on one token makes every sampled token that token (temperature 1, its
+  bias dwarfs any logit gap of a real model); -100 on the greedy first token moves the greedy
+  choice off it. Exact.
+- Penalties: on a greedy text that repeats a token, a frequency penalty lowers the count of its
+  most repeated token. Exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipelinerl_sdk.conformance.common import PROMPT, arun
+from pipelinerl_sdk.conformance.mirror import Mirror
+from pipelinerl_sdk.conformance.targets import ServerUnderTest
+from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.protocol import ChatChoice
+
+#: Tokens of the greedy text the stop and penalty checks cut or count.
+TOKENS = 32
+
+
+async def _one(client: InferenceClient, **extra: Any) -> ChatChoice:
+    body = {"messages": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    resp = await client.chat({**body, **extra})
+    choice = resp.choices[0]
+    assert choice.token_ids is not None, "return_token_ids: choices[].token_ids missing"
+    return choice
+
+
+def stop_string_of(text: str) -> tuple[str, int]:
+    """A two-character stop string from the middle of ``text`` and its first occurrence (no
+    U+FFFD: a partial UTF-8 character decodes to it until its last byte arrives)."""
+    for start in range(len(text) // 3, len(text) - 2):
+        stop = text[start : start + 2]
+        if stop.strip() and stop.isprintable() and "\ufffd" not in stop:
+            return stop, text.index(stop)
+    raise AssertionError(f"greedy text {text!r} has no printable two characters to stop on")
+
+
+def _most_repeated(ids: list[int]) -> int:
+    return max(ids.count(t) for t in set(ids))
+
+
+class GenerationChecks:
+    """Mixed into :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests`."""
+
+    @pytest.mark.requires("stop_strings")
+    def test_stop_strings_cut_where_they_should(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """``stop``: the text equals the greedy text without ``stop`` up to the stop string's
+        first occurrence (excluded), finish reason ``stop``; with ``include_stop_str_in_output``
+        the stop string ends the text. Exact, like vLLM's detokenizer."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                full = await _one(client)
+                text = full.message.content
+                stop, at = stop_string_of(text)
+                cut = await _one(client, stop=[stop])
+                kept = await _one(client, stop=stop, include_stop_str_in_output=True)
+            assert cut.finish_reason == "stop", f"stop={stop!r} hit at {at}: finish_reason {cut.finish_reason!r}"
+            assert cut.message.content == text[:at], (
+                f"stop={stop!r}: text {cut.message.content!r} is not the greedy text before the stop string "
+                f"{text[:at]!r} (full text {text!r})"
+            )
+            assert kept.message.content == text[: at + len(stop)], (
+                f"stop={stop!r} with include_stop_str_in_output: text {kept.message.content!r}, expected "
+                f"{text[: at + len(stop)]!r}"
+            )
+
+        arun(body)
+
+    @pytest.mark.requires("logit_bias")
+    def test_logit_bias_forces_a_token(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """``logit_bias`` +100 on a token the model does not favour makes it every sampled
+        token (temperature 1); -100 on the greedy first token moves greedy off it."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                greedy = await _one(client, max_tokens=4)
+                assert greedy.token_ids
+                first = greedy.token_ids[0]
+                forced = next(
+                    t for t in range(int(mirror.model.config.vocab_size) - 1, 0, -1) if t not in greedy.token_ids
+                )
+                pushed = await _one(client, max_tokens=8, temperature=1.0, seed=7, logit_bias={str(forced): 100})
+                banned = await _one(client, max_tokens=1, logit_bias={str(first): -100})
+            assert pushed.token_ids == [forced] * 8, (
+                f"logit_bias +100 on token {forced}: sampled {pushed.token_ids} "
+                f"({(pushed.token_ids or []).count(forced)} of 8 are {forced})"
+            )
+            assert banned.token_ids != [first], f"logit_bias -100 on the greedy token {first}: still chosen"
+
+        arun(body)
+
+    @pytest.mark.requires("penalties")
+    def test_penalties_change_a_repetitive_greedy_text(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        """A frequency penalty of 2 lowers the count of the most repeated token of a greedy text
+        of ``TOKENS`` tokens that repeats one (skipped on a model whose greedy text does not)."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                base = (await _one(client)).token_ids or []
+                if _most_repeated(base) < 4:
+                    pytest.skip(f"the greedy text repeats no token 4 times: {base}")
+                penalised = (await _one(client, frequency_penalty=2.0)).token_ids or []
+            assert _most_repeated(penalised) < _most_repeated(base), (
+                f"frequency_penalty=2 left the most repeated token at {_most_repeated(penalised)} of {TOKENS} "
+                f"(without: {_most_repeated(base)}): {penalised}"
+            )
+
+        arun(body)

@@ -1,0 +1,69 @@
+"""Logits processing and sampling of the reference engine, with vLLM's semantics.
+
+Order (vLLM v1's sampler): ``logit_bias`` added; repetition penalty on every token of the prompt
+or the output (positive logits divided, others multiplied); frequency (times the output count)
+and presence (once per token seen in the output) penalties subtracted; greedy is the argmax of
+these; else temperature, min-p (drop tokens under ``min_p`` times the best probability), top-k,
+top-p, and a draw. The reported logprobs are never these: they are the raw model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def process_logits(
+    logits: torch.Tensor,
+    *,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    bias: tuple[torch.Tensor, torch.Tensor] | None,
+    repetition_penalty: float,
+    frequency_penalty: float,
+    presence_penalty: float,
+) -> torch.Tensor:
+    """``logits`` (one fp32 row) with the bias and penalties applied (a new tensor)."""
+    out = logits.clone()
+    if bias is not None:
+        ids, values = bias
+        out.index_add_(0, ids, values)
+    if repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=out.device)
+        vals = out[seen]
+        out[seen] = torch.where(vals > 0, vals / repetition_penalty, vals * repetition_penalty)
+    if (frequency_penalty or presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=out.device), minlength=out.shape[0]).to(out.dtype)
+        out -= frequency_penalty * counts + presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    generator: torch.Generator,
+) -> int:
+    """One token from processed ``logits``: argmax at temperature 0, else a draw from the
+    distribution cut by min-p, top-k (``<= 0``: off) and top-p (each keeps the best token)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    if 0 < top_k < probs.shape[0]:
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if min_p > 0 or 0 < top_k < probs.shape[0]:
+        probs = probs / probs.sum()
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop = cumulative - sorted_probs >= top_p  # keeps at least the most likely token
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
