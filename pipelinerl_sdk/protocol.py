@@ -199,6 +199,10 @@ class ServerInfo(WireModel):
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------
 
 
+#: The token budget of a chat request that names none (capped by the room left in the context).
+DEFAULT_MAX_TOKENS = 256
+
+
 class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str

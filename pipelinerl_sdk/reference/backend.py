@@ -17,7 +17,7 @@ import torch
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps, local_steps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat
+from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
@@ -116,15 +116,15 @@ class ReferenceInferenceBackend(KitBackend):
     # --- generation -----------------------------------------------------------------------------
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = prepare_chat(self.tokenizer, req, self.engine.max_model_len)
+        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len)
         results = await asyncio.gather(
             *(
                 self.engine.generate(
                     plan.prompt_ids,
                     SamplingParams(
                         max_tokens=plan.max_tokens,
-                        temperature=req.temperature,
-                        top_p=req.top_p,
+                        temperature=plan.temperature,
+                        top_p=plan.top_p,
                         seed=None if req.seed is None else req.seed + i,
                         top_logprobs=plan.top,
                         prompt_logprobs=req.prompt_logprobs and i == 0,

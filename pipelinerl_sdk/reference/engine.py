@@ -479,7 +479,12 @@ class ContinuousBatchingEngine:
         for i, request in enumerate(rows):
             if request.cancelled:
                 continue
-            self._record(request, logits[i], logp[i], version)
+            try:  # a request whose sampling fails ends alone: the batch's others go on
+                self._record(request, logits[i], logp[i], version)
+            except Exception as exc:
+                request.finish_reason = "error"
+                done.append((request, exc))
+                continue
             produced += 1
             if request.finish_reason is not None:
                 done.append((request, self._result(request)))
@@ -504,13 +509,17 @@ class ContinuousBatchingEngine:
             request.finish_reason = "length"
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        """ValueError (this request's alone) when the temperature leaves no finite distribution."""
         if params.temperature == 0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits / params.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            raise ValueError(f"temperature {params.temperature!r} leaves no finite distribution to sample")
         if params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)
-            drop = cumulative - sorted_probs >= params.top_p  # keeps at least the most likely token
+            drop = cumulative - sorted_probs >= params.top_p
+            drop[..., 0] = False  # the most likely token always stays (top_p may underflow float32)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         choice = torch.multinomial(probs, 1, generator=generator or self._generator)

@@ -37,7 +37,7 @@ from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat, versions_from_spans
 from pipelinerl_sdk.weights.auth import store_name
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
@@ -328,13 +328,13 @@ class SGLangInferenceBackend(KitBackend):
     # --- generation -------------------------------------------------------------------------------
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = prepare_chat(self._tokenizer, req, self._context)
+        plan = await plan_chat(self._tokenizer, req, self._context)
 
         async def one(i: int) -> dict[str, Any]:
             sampling: dict[str, Any] = {
                 "max_new_tokens": plan.max_tokens,
-                "temperature": req.temperature,
-                "top_p": req.top_p,
+                "temperature": plan.temperature,
+                "top_p": plan.top_p,
                 "ignore_eos": req.ignore_eos,
                 "skip_special_tokens": True,
             }

@@ -4,6 +4,7 @@ raw logprobs, one weight version per completion token) after it."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pipelinerl_sdk.errors import InvalidRequest, PromptTooLong
 from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
+    DEFAULT_MAX_TOKENS,
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -20,20 +22,44 @@ from pipelinerl_sdk.protocol import (
     Usage,
 )
 
-#: The token budget of a request that names none (capped by the room left in the context).
-DEFAULT_MAX_TOKENS = 256
-
 FinishReason = Literal["stop", "length", "abort"]
+
+
+#: The smallest positive temperature sampled as asked; a smaller one is raised to it, as vLLM does
+#: (its ``_MAX_TEMP``): ``logits / 1e-40`` overflows float32 and leaves no distribution to sample.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
     """What to generate for one request: the templated prompt's ids, the token budget (fits the
-    context), and how many top alternatives to report (0: none)."""
+    context), how many top alternatives to report (0: none), and the sampling values the engine
+    computes with (``temperature`` 0 or at least :data:`MIN_TEMPERATURE`; ``top_p`` as asked:
+    an engine's top-p keeps at least the most likely token, however small it is)."""
 
     prompt_ids: list[int]
     max_tokens: int
     top: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+def sampling_temperature(temperature: float) -> float:
+    """The temperature an engine samples with: 0 (greedy) or at least :data:`MIN_TEMPERATURE`."""
+    return 0.0 if temperature == 0 else max(temperature, MIN_TEMPERATURE)
+
+
+def check_text(req: ChatCompletionRequest) -> None:
+    """InvalidRequest naming ``messages.I.content`` for text that is not valid Unicode (a lone
+    surrogate, which JSON's ``\\ud800`` escape can carry): no tokenizer can encode it."""
+    for i, m in enumerate(req.messages):
+        try:
+            m.content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(
+                f"messages.{i}.content: not valid Unicode at character {e.start} ({e.reason})",
+                field=f"messages.{i}.content",
+            ) from None
 
 
 def prepare_chat(
@@ -41,10 +67,13 @@ def prepare_chat(
 ) -> ChatPlan:
     """Apply the chat template and check the request against the context. Raises
     :class:`InvalidRequest` (``top_logprobs`` without ``logprobs``) or :class:`PromptTooLong`
-    (prompt plus budget past ``max_model_len``), each naming the field; the router answers 400."""
+    (prompt plus budget past ``max_model_len``), each naming the field, as it does for text
+    that is not valid Unicode (:func:`check_text`); the router answers 400. Runs on the caller's
+    thread: from a coroutine, use :func:`plan_chat`."""
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", field="top_logprobs")
+    check_text(req)
     encoded = tokenizer.apply_chat_template(
         [m.model_dump() for m in req.messages],
         add_generation_prompt=req.add_generation_prompt,
@@ -65,7 +94,16 @@ def prepare_chat(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
             field=field,
         )
-    return ChatPlan(prompt_ids, max_tokens, top)
+    return ChatPlan(prompt_ids, max_tokens, top, sampling_temperature(req.temperature), req.top_p)
+
+
+async def plan_chat(
+    tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> ChatPlan:
+    """:func:`prepare_chat` on a worker thread: the chat template and the tokenizer are CPU work
+    that grows with the prompt, and on the event loop they would stall every other request
+    (``/health`` included) for as long."""
+    return await asyncio.to_thread(prepare_chat, tokenizer, req, max_model_len, default_max_tokens=default_max_tokens)
 
 
 def versions_from_spans(spans: Iterable[tuple[int, int, int]], n: int, *, engine: str) -> list[int]:
