@@ -36,10 +36,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import PurePath
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict, check_group_id
 from pipelinerl_sdk.errors import (
@@ -127,7 +128,7 @@ class _ContractRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (HTTPError, PipelineRLError, RequestValidationError, HTTPException):
+            except (HTTPError, PipelineRLError, RequestValidationError, StarletteHTTPException):
                 raise
             except Exception as e:
                 log.error("%s %s failed", request.method, request.url.path, exc_info=e)
@@ -450,6 +451,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _sdk_error(_: Request, e: PipelineRLError) -> JSONResponse:
         h = as_http_error(e)
         return error_response(h.status, h.message, kind=h.kind, field=h.field, headers=error_headers(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _framework_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own (a body that is not JSON: 400; an unknown path: 404), in our shape
+        kind = "invalid_request" if e.status_code < 500 else "internal_error"
+        return error_response(e.status_code, str(e.detail), kind=kind, headers=dict(e.headers or {}) or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
