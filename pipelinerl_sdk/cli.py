@@ -102,6 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         options=_options(args.option),
         trainer_hosts=tuple(args.allow_trainer_host),
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+        max_tokens_in_flight=args.max_tokens_in_flight,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     registry = load_registry()
     registry.factory("inference", args.backend)  # an import error before binding or loading anything
@@ -221,6 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOST",
         help="a trainer host whose weight-update store this server may join (loopback always may)",
+    )
+    limits = ServeConfig(model="")
+    s.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help="bigger bodies get 413")
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=limits.max_queued_requests,
+        help="chat requests admitted at once; more get 429 with Retry-After",
+    )
+    s.add_argument(
+        "--max-tokens-in-flight",
+        type=int,
+        default=limits.max_tokens_in_flight,
+        help="completion tokens (n x max_tokens) admitted at once; more get 429 with Retry-After",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=limits.shutdown_timeout_s,
+        help="seconds SIGTERM waits for running requests before aborting them",
     )
     s.add_argument(
         "--control-token-file",

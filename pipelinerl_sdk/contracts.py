@@ -94,6 +94,13 @@ class TrainerCapabilities:
 # --- inference --------------------------------------------------------------------------------
 
 
+#: Admission defaults of a server (``ServeConfig``): a 16 MiB body holds a prompt far past any
+#: context and the param list of the largest model; 256 requests and 2^20 tokens keep a GPU busy.
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+DEFAULT_MAX_TOKENS_IN_FLIGHT = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """How ``pipelinerl serve`` starts a server. Control routes need ``control_token`` (distinct
@@ -112,6 +119,16 @@ class ServeConfig:
     #: Hosts besides loopback whose store ``/init_process_group`` may join (``init_method``);
     #: ``pipelinerl serve --allow-trainer-host HOST``.
     trainer_hosts: tuple[str, ...] = ()
+    #: Request bodies past this many bytes are refused with 413 before they are parsed.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: Chat requests admitted at once (running or queued in the engine); past it: 429.
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    #: Completion tokens the admitted chat requests may still generate (``n`` x token budget,
+    #: summed); past it: 429. A request alone past it is admitted when nothing else runs.
+    max_tokens_in_flight: int = DEFAULT_MAX_TOKENS_IN_FLIGHT
+    #: On SIGTERM, requests still running after this many seconds are aborted; the process exits
+    #: a few seconds later at most (a receive stuck in a collective included).
+    shutdown_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

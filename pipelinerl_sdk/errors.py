@@ -42,8 +42,30 @@ class PromptTooLong(InvalidRequest):
     """The prompt plus the token budget does not fit the context (``max_model_len``)."""
 
 
+class RequestTooLarge(PipelineRLError):
+    """A request body past the server's size limit (answered 413), refused before it is parsed."""
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class Overloaded(PipelineRLError):
+    """The server's admission limits are reached (answered 429 with ``Retry-After``): nothing of
+    the request ran; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class GroupError(PipelineRLError):
     """The weight-update process group is missing, broken, or could not be formed."""
+
+
+class DecisionTimeout(GroupError):
+    """No decision signed by the trainer arrived within the request's ``timeout_s`` (answered 408:
+    the caller never decided); the group is marked broken, as for any lost decision."""
 
 
 class ServerError(PipelineRLError):

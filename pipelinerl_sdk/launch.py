@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -57,6 +57,7 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 300.0,
         python: str = sys.executable,
+        args: Sequence[str] = (),
     ) -> None:
         self.backend = backend
         self.control_token = control_token or secrets.token_urlsafe(24)
@@ -87,6 +88,7 @@ class ServerProcess:
             self.cmd += ["--receive-mode", receive_mode]
         for k, v in (options or {}).items():
             self.cmd += ["--option", f"{k}={v}"]
+        self.cmd += list(args)  # more `pipelinerl serve` flags (limits: --max-body-bytes, ...)
         self.env = {**os.environ, **(env or {}), ENV_CONTROL_TOKEN: self.control_token}
         if api_key:
             self.env[ENV_API_KEY] = api_key

@@ -366,3 +366,46 @@ def test_cancel_stop_abort_and_step_errors(model_dir: Path) -> None:
             await engine.generate([3], GREEDY)
 
     run(main())
+
+
+def test_a_request_whose_sampling_fails_mid_decode_fails_alone(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
+    """A temperature so small that ``logits / t`` overflows float32 at one decode step (not at the
+    prefill) ends that request with its error; the request decoding beside it finishes."""
+    found: tuple[list[int], float, int] | None = None
+    for prompt in prompts:
+        greedy = run(_greedy(model, prompt, 60))
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + greedy])).logits[0].float()
+        peaks = logits[len(prompt) - 1 :].max(-1).values  # [0]: the prefill's, then each decode step's
+        for k in range(1, len(greedy)):
+            if peaks[k] > 0 and peaks[k] > 1.1 * peaks[:k].max():
+                found = (prompt, float(peaks[k]) / 3.5e38, k)  # step k overflows, none before it
+                break
+        if found:
+            break
+    assert found is not None, "no prompt whose logits peak later than at the prefill"
+    prompt, temperature, step = found
+
+    async def main() -> tuple[GenerationResult, BaseException | GenerationResult]:
+        engine = await started(model, eos_token_ids=[])
+        innocent = asyncio.ensure_future(engine.generate(prompts[1], SamplingParams(max_tokens=200, temperature=0)))
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.001)
+        hostile = SamplingParams(max_tokens=60, temperature=temperature)
+        bad = await asyncio.gather(engine.generate(prompt, hostile), return_exceptions=True)
+        good = await innocent
+        await engine.stop()
+        return good, bad[0]
+
+    good, bad = run(main())
+    assert isinstance(bad, ValueError) and "no finite distribution" in str(bad), (bad, step)
+    assert good.finish_reason == "length" and len(good.token_ids) == 200
+
+
+async def _greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    engine = await started(model, eos_token_ids=[])
+    out = await engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0))
+    await engine.stop()
+    return out.token_ids

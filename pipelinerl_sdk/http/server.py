@@ -3,7 +3,7 @@
 Routes (control routes need ``Authorization: Bearer <control token>``; 401 without it, 403 with
 a wrong one; every token is checked before the body is read):
 
-- ``GET /health`` (open: status and weight version only);
+- ``GET /health`` (open: status, weight version, and the chat requests and tokens admitted now);
 - ``GET /info``, ``GET /openapi.json`` (read-only; the API key when one is set, or the control
   token);
 - ``POST /init_process_group`` (control);
@@ -38,14 +38,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import PurePath
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict, check_group_id
-from pipelinerl_sdk.errors import GroupError, InvalidRequest, PipelineRLError, UpdateFailed, UpdateRejected
+from pipelinerl_sdk.errors import (
+    DecisionTimeout,
+    GroupError,
+    InvalidRequest,
+    Overloaded,
+    PipelineRLError,
+    RequestTooLarge,
+    UpdateFailed,
+    UpdateRejected,
+)
+from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     InitProcessGroupRequest,
@@ -67,12 +77,21 @@ class HTTPError(Exception):
         self.status, self.message, self.kind, self.field = status, message, kind, field
 
 
-def error_response(status: int, message: str, *, kind: str, field: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, *, kind: str, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``; ``param`` names
     the offending request field, ``code`` is the status (as vLLM sends)."""
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": field, "code": status}}, status_code=status
+        {"error": {"message": message, "type": kind, "param": field, "code": status}},
+        status_code=status,
+        headers=headers,
     )
+
+
+def error_headers(e: PipelineRLError) -> dict[str, str] | None:
+    """The headers an SDK error's answer carries: ``Retry-After`` for :class:`Overloaded`."""
+    return {"Retry-After": str(e.retry_after_s)} if isinstance(e, Overloaded) else None
 
 
 #: The one table from SDK errors to HTTP status and error type; the first row whose class the
@@ -80,6 +99,9 @@ def error_response(status: int, message: str, *, kind: str, field: str | None = 
 ERROR_STATUS: tuple[tuple[type[PipelineRLError], int, str], ...] = (
     (UpdateRejected, 422, "update_rejected"),
     (InvalidRequest, 400, "invalid_request"),
+    (RequestTooLarge, 413, "request_too_large"),
+    (Overloaded, 429, "overloaded"),
+    (DecisionTimeout, 408, "decision_timeout"),
     (GroupError, 502, "group_error"),
     (UpdateFailed, 502, "update_failed"),
     (PipelineRLError, 500, "internal_error"),
@@ -112,7 +134,7 @@ class _ContractRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (HTTPError, PipelineRLError, RequestValidationError, HTTPException):
+            except (HTTPError, PipelineRLError, RequestValidationError, StarletteHTTPException):
                 raise
             except Exception as e:
                 log.error("%s %s failed", request.method, request.url.path, exc_info=e)
@@ -141,9 +163,27 @@ def _bearer_guard(tokens: tuple[str, ...], what: str, *, wrong: int = 403) -> Gu
     return guard
 
 
-def _guarded_route(guards: dict[str, Guard]) -> type[APIRoute]:
+async def read_body(request: Request, limit: int) -> None:
+    """Read ``request``'s body (kept for FastAPI to parse), refusing one past ``limit`` bytes with
+    :class:`RequestTooLarge`: by its Content-Length before reading anything, and while reading
+    (a chunked body, or one longer than it said) before it is parsed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"request body of {declared} bytes is past this server's limit of {limit}", limit=limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body past this server's limit of {limit} bytes", limit=limit)
+        chunks.append(chunk)
+    request._body = b"".join(chunks)  # Request.body() returns it: FastAPI parses what was read here
+
+
+def _guarded_route(guards: dict[str, Guard], max_body_bytes: int) -> type[APIRoute]:
     """A route class that runs its path's guard *before* FastAPI reads and parses the body (a
-    dependency runs after): an unauthenticated client gets its 401 without sending the body."""
+    dependency runs after): an unauthenticated client gets its 401 without sending the body; then
+    the body is read under ``max_body_bytes`` (413 past it), still before it is parsed."""
 
     class GuardedRoute(_ContractRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -152,11 +192,19 @@ def _guarded_route(guards: dict[str, Guard]) -> type[APIRoute]:
 
             async def guarded(request: Request) -> Response:
                 await guard(request)
+                if request.method == "POST":
+                    await read_body(request, max_body_bytes)
                 return await handler(request)
 
             return guarded
 
     return GuardedRoute
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client of ``request`` (its body read) has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def trainer_host_allowed(init_method: str, allowed: tuple[str, ...]) -> bool:
@@ -197,10 +245,22 @@ class _ControlSlot:
 
 
 def build_router(
-    backend: InferenceBackend, *, control_token: str, api_key: str | None, trainer_hosts: tuple[str, ...] = ()
+    backend: InferenceBackend,
+    *,
+    control_token: str,
+    api_key: str | None,
+    trainer_hosts: tuple[str, ...] = (),
+    limits: Limits | None = None,
 ) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
-    from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only."""
+    from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only.
+
+    ``limits`` (defaults: :class:`~pipelinerl_sdk.http.admission.Limits`) bound every body (413)
+    and the chat requests and tokens admitted at once (429 with Retry-After). A chat request
+    whose client disconnects is cancelled: ``backend.chat_completion`` is cancelled, and must
+    abort its work in the engine on ``CancelledError``."""
+    limits = limits or Limits()
+    admission = Admission(limits)
     if not control_token:
         raise ValueError("control_token must be set: control routes are never open")
     if api_key is not None and secrets.compare_digest(control_token, api_key):
@@ -220,13 +280,18 @@ def build_router(
         "/v1/chat/completions": openai,
     }
     slot = _ControlSlot()
-    router = APIRouter(route_class=_guarded_route(guards))
+    router = APIRouter(route_class=_guarded_route(guards, limits.max_body_bytes))
     served = served_model_name(backend.model_name)
     created = int(time.time())
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": backend.version}
+        return {
+            "status": "ok",
+            "version": backend.version,
+            "requests_in_flight": admission.requests,
+            "tokens_in_flight": admission.tokens,
+        }
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> JSONResponse:
@@ -257,6 +322,12 @@ def build_router(
                 "named at start-up with --allow-trainer-host)",
                 kind="permission_error",
                 field="init_method",
+            )
+        if req.rank_offset + backend.receiving_workers > req.world_size:
+            raise InvalidRequest(
+                f"rank_offset {req.rank_offset} + this server's {backend.receiving_workers} receiving worker(s) "
+                f"is past world_size {req.world_size}",
+                field="rank_offset",
             )
         pending = slot.update
         if pending is not None and backend.cancel_waiting_update("a new /init_process_group replaced the group"):
@@ -320,6 +391,8 @@ def build_router(
         slot.take("probe_broadcast")
         try:
             seconds = await backend.probe_broadcast(req)
+        except DecisionTimeout:
+            raise  # the caller never decided: 408 by the table
         except UpdateFailed as e:  # a called-off or failed probe is the group's failure
             raise HTTPError(502, str(e), kind="group_error") from e
         finally:
@@ -343,11 +416,24 @@ def build_router(
         }
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> JSONResponse:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         if req.model is not None and req.model not in (served, backend.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
         try:
-            resp = await backend.chat_completion(req)
+            with admission.admit(chat_cost(req, backend.max_model_len or UNKNOWN_CONTEXT_BUDGET)):
+                work = asyncio.ensure_future(backend.chat_completion(req))
+                gone = asyncio.ensure_future(_client_gone(request))
+                try:
+                    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                    if not work.done():  # the client left, or this route was cancelled (shutdown)
+                        work.cancel()
+                        await asyncio.wait({work})
+                if work.cancelled():
+                    log.info("chat request cancelled: its client disconnected")
+                    return Response(status_code=499)  # nobody reads it
+                resp = work.result()
         except PipelineRLError:
             raise  # the table decides (InvalidRequest/PromptTooLong: 400 naming the field)
         except ValueError as e:  # an adapter's plain ValueError: the request, not the server
@@ -381,7 +467,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PipelineRLError)
     async def _sdk_error(_: Request, e: PipelineRLError) -> JSONResponse:
         h = as_http_error(e)
-        return error_response(h.status, h.message, kind=h.kind, field=h.field)
+        return error_response(h.status, h.message, kind=h.kind, field=h.field, headers=error_headers(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _framework_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own (a body that is not JSON: 400; an unknown path: 404), in our shape
+        kind = "invalid_request" if e.status_code < 500 else "internal_error"
+        return error_response(e.status_code, str(e.detail), kind=kind, headers=dict(e.headers or {}) or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:

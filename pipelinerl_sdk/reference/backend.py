@@ -17,7 +17,7 @@ import torch
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps, local_steps
-from pipelinerl_sdk.kit.inference.chat import StopRule, assemble_choice, assemble_response, prepare_chat, prompt_entries
+from pipelinerl_sdk.kit.inference.chat import StopRule, assemble_choice, assemble_response, plan_chat, prompt_entries
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
@@ -116,7 +116,7 @@ class ReferenceInferenceBackend(KitBackend):
     # --- generation -----------------------------------------------------------------------------
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = prepare_chat(self.tokenizer, req, self.engine.max_model_len)
+        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len)
         rule = StopRule(self.tokenizer, req)
         prompt_top = req.prompt_top
         results = await asyncio.gather(
@@ -125,8 +125,8 @@ class ReferenceInferenceBackend(KitBackend):
                     plan.prompt_ids,
                     SamplingParams(
                         max_tokens=plan.max_tokens,
-                        temperature=req.temperature,
-                        top_p=req.top_p,
+                        temperature=plan.temperature,
+                        top_p=plan.top_p,
                         top_k=req.top_k or 0,
                         min_p=req.min_p,
                         presence_penalty=req.presence_penalty,

@@ -538,7 +538,12 @@ class ContinuousBatchingEngine:
         for i, request in enumerate(rows):
             if request.cancelled:
                 continue
-            self._record(request, logits[i], logp[i], version)
+            try:  # a request whose sampling fails ends alone: the batch's others go on
+                self._record(request, logits[i], logp[i], version)
+            except Exception as exc:
+                request.finish_reason = "error"
+                done.append((request, exc))
+                continue
             produced += 1
             if request.finish_reason is not None:
                 done.append((request, self._result(request)))
@@ -572,7 +577,8 @@ class ContinuousBatchingEngine:
             request.finish_reason = "length"
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-        """One token from the processed fp32 ``logits`` row (:func:`~.sampling.sample`)."""
+        """One token from the processed fp32 ``logits`` row (:func:`~.sampling.sample`);
+        ValueError (this request's alone) when the temperature leaves no finite distribution."""
         return sample(
             logits,
             temperature=params.temperature,

@@ -49,10 +49,13 @@ def sample(
     generator: torch.Generator,
 ) -> int:
     """One token from processed ``logits``: argmax at temperature 0, else a draw from the
-    distribution cut by min-p, top-k (``<= 0``: off) and top-p (each keeps the best token)."""
+    distribution cut by min-p, top-k (``<= 0``: off) and top-p (each keeps the best token).
+    ValueError when the temperature leaves no finite distribution."""
     if temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"temperature {temperature!r} leaves no finite distribution to sample")
     if min_p > 0:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
     if 0 < top_k < probs.shape[0]:
@@ -63,7 +66,8 @@ def sample(
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs >= top_p  # keeps at least the most likely token
+        drop = cumulative - sorted_probs >= top_p
+        drop[..., 0] = False  # the most likely token always stays (top_p may underflow float32)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipelinerl_sdk.errors import GroupError, UpdateAborted
+from pipelinerl_sdk.errors import DecisionTimeout, GroupError, UpdateAborted
 from pipelinerl_sdk.protocol import GroupBackend, parse_init_method
 from pipelinerl_sdk.weights.auth import group_id, read_decision, sign_decision, store_name
 
@@ -106,7 +106,8 @@ class DecisionBoard:
 
     def wait(self, key: str, timeout_s: float) -> None:
         """Receivers: wait for the trainer's signed decision on ``key``; return on ``go``, raise
-        :class:`UpdateAborted` on an abort, :class:`GroupError` on a timeout or a lost store. A
+        :class:`UpdateAborted` on an abort, :class:`DecisionTimeout` when none came in time,
+        :class:`GroupError` on a lost store. A
         value not signed with the group's secret is logged and ignored: the wait goes on for the
         real decision. :meth:`cancel_wait` ends it with UpdateAborted."""
         deadline = time.monotonic() + timeout_s
@@ -124,7 +125,9 @@ class DecisionBoard:
                     decision = read_decision(self._secret, key, self._signals.get(key))
         except Exception as e:
             if self._cancelled is None:
-                raise GroupError(f"no decision for {key!r} within {timeout_s:.1f}s: {e}") from e
+                timed_out = time.monotonic() >= deadline - 0.5  # the wait ran out, not a lost store
+                kind = DecisionTimeout if timed_out else GroupError
+                raise kind(f"no decision for {key!r} within {timeout_s:.1f}s: {e}") from e
         finally:
             with self._lock:
                 self._waiting = None
@@ -132,7 +135,7 @@ class DecisionBoard:
         if cancelled is not None:
             raise UpdateAborted(f"{key!r} cancelled while waiting for the trainer's decision: {cancelled}")
         if decision is None:
-            raise GroupError(f"no decision signed by the trainer for {key!r} within {timeout_s:.1f}s")
+            raise DecisionTimeout(f"no decision signed by the trainer for {key!r} within {timeout_s:.1f}s")
         go, reason = decision
         if not go:
             raise UpdateAborted(f"trainer called off {key!r}: abort: {reason}")

@@ -14,7 +14,7 @@ decision, no collective) and :meth:`WeightReceiver.receive_decided` (the broadca
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -126,14 +126,17 @@ class WeightReceiver:
         self._views(plan, buf)
         return buf
 
-    def receive_decided(self, plan: BucketPlan, *, into: torch.Tensor | None = None) -> StagedWeights:
+    def receive_decided(
+        self, plan: BucketPlan, *, into: torch.Tensor | None = None, on_first_bucket: Callable[[], None] | None = None
+    ) -> StagedWeights:
         """Receive every bucket of ``plan`` (the trainer said ``go``) into the receiver's staging
         buffer, or into ``into`` (a uint8 buffer of ``plan.total_bytes`` on the group's device that
         the caller owns, e.g. :meth:`DoubleBuffer.spare
         <pipelinerl_sdk.weights.swap.DoubleBuffer.spare>`). Raises :class:`GroupError` on a lost
         peer or a timeout (the group is then broken), :class:`NonFiniteWeights` once every bucket
         arrived if a param holds NaN or infinity (checked per bucket while the next one streams
-        in; the group stays healthy)."""
+        in; the group stays healthy). ``on_first_bucket`` is called (on this thread) once the
+        first bucket has arrived: bytes flow, the trainer is not stuck before sending."""
         buf = self._target(plan, into)
         views = self._views(plan, buf)
         t0 = time.perf_counter()
@@ -144,6 +147,8 @@ class WeightReceiver:
             work = self.group.broadcast_async(buf[b.offset : b.offset + b.nbytes], 0)
             bad = bad or first_non_finite(iter(last))  # checked while this bucket streams in
             self.group.wait(work, f"receive of bucket {b.index}")
+            if on_first_bucket is not None and b.index == 0:
+                on_first_bucket()
             last, start = views[start : start + len(b.entries)], start + len(b.entries)
         bad = bad or first_non_finite(iter(last))
         if bad is not None:

@@ -40,7 +40,7 @@ from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
     assemble_choice,
     assemble_response,
-    prepare_chat,
+    plan_chat,
     prompt_entries,
     versions_from_spans,
 )
@@ -337,7 +337,7 @@ class SGLangInferenceBackend(KitBackend):
     # --- generation -------------------------------------------------------------------------------
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = prepare_chat(self._tokenizer, req, self._context, unsupported=UNSUPPORTED)
+        plan = await plan_chat(self._tokenizer, req, self._context, unsupported=UNSUPPORTED)
         if req.prompt_top:
             raise InvalidRequest(
                 "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
@@ -347,8 +347,8 @@ class SGLangInferenceBackend(KitBackend):
         async def one(i: int) -> dict[str, Any]:
             sampling: dict[str, Any] = {
                 "max_new_tokens": plan.max_tokens,
-                "temperature": req.temperature,
-                "top_p": req.top_p,
+                "temperature": plan.temperature,
+                "top_p": plan.top_p,
                 "top_k": req.top_k or -1,
                 "min_p": req.min_p,
                 "presence_penalty": req.presence_penalty,

@@ -36,7 +36,7 @@ from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat, versions_from_spans
 from pipelinerl_sdk_vllm.plugin import CAPABILITIES
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
@@ -237,13 +237,13 @@ class VLLMInferenceBackend(KitBackend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        plan = prepare_chat(self._tokenizer, req, self._engine.model_config.max_model_len)
+        plan = await plan_chat(self._tokenizer, req, self._engine.model_config.max_model_len)
 
         async def one(i: int) -> Any:
             params = SamplingParams(
                 n=1,
-                temperature=req.temperature,
-                top_p=req.top_p,
+                temperature=plan.temperature,
+                top_p=plan.top_p,
                 top_k=req.top_k or 0,
                 min_p=req.min_p,
                 presence_penalty=req.presence_penalty,

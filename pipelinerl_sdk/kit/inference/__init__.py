@@ -23,6 +23,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     ChatPlan,
     assemble_choice,
     assemble_response,
+    plan_chat,
     prepare_chat,
     versions_from_spans,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "assemble_response",
     "local_steps",
     "normalise_update_error",
+    "plan_chat",
     "prepare_chat",
     "run_update",
     "versions_from_spans",

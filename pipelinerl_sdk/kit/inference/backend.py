@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
-from pipelinerl_sdk.errors import GroupError, PluginError
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError
 from pipelinerl_sdk.kit.inference.book import GroupBook
 from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSpec, ReceiveMode, WeightUpdateRequest
@@ -101,9 +101,12 @@ class KitBackend(InferenceBackend):
         return self.book.request
 
     def refuse_nccl_on_cpu(self, req: InitProcessGroupRequest, on_cpu: bool) -> None:
-        """GroupError for an NCCL group on a CPU server (before anything joins)."""
+        """InvalidRequest naming ``backend`` for an NCCL group on a CPU server (before anything
+        joins): the request asks what this server cannot do (400, not the group's 502)."""
         if req.backend == "nccl" and on_cpu:
-            raise GroupError(f"backend 'nccl' needs CUDA; this {self.backend_name} server runs on CPU (use 'gloo')")
+            raise InvalidRequest(
+                f"backend 'nccl' needs CUDA; this {self.backend_name} server runs on CPU (use 'gloo')", field="backend"
+            )
 
     async def update_weights(
         self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]

@@ -4,6 +4,7 @@ raw logprobs, one weight version per completion token) after it."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,18 +31,44 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "tokenize", "return_dict", "return_tensors", "add_generation_prompt"}
 )
 
+#: The smallest positive temperature sampled as asked; a smaller one is raised to it, as vLLM does
+#: (its ``_MAX_TEMP``): ``logits / 1e-40`` overflows float32 and leaves no distribution to sample.
+MIN_TEMPERATURE = 1e-2
+
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
     """What to generate for one request: the templated prompt's ids, the token budget (fits the
     context; without one in the request, the rest of the context, as vLLM), how many top
-    alternatives to report (0: none), the stop strings and stop token ids."""
+    alternatives to report (0: none), the stop strings and stop token ids, and the sampling values
+    the engine computes with (``temperature`` 0 or at least :data:`MIN_TEMPERATURE`; ``top_p`` as
+    asked: an engine's top-p keeps at least the most likely token, however small it is)."""
 
     prompt_ids: list[int]
     max_tokens: int
     top: int
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+def sampling_temperature(temperature: float) -> float:
+    """The temperature an engine samples with: 0 (greedy) or at least :data:`MIN_TEMPERATURE`."""
+    return 0.0 if temperature == 0 else max(temperature, MIN_TEMPERATURE)
+
+
+def check_text(req: ChatCompletionRequest) -> None:
+    """InvalidRequest naming ``messages.I.content`` for text that is not valid Unicode (a lone
+    surrogate, which JSON's ``\\ud800`` escape can carry): no tokenizer can encode it."""
+    for i, m in enumerate(req.messages):
+        try:
+            str(m.for_template()["content"]).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(
+                f"messages.{i}.content: not valid Unicode at character {e.start} ({e.reason})",
+                field=f"messages.{i}.content",
+            ) from None
 
 
 def refuse(req: ChatCompletionRequest, unsupported: Mapping[str, str]) -> None:
@@ -96,11 +123,14 @@ def prepare_chat(
     """Check the request (:func:`refuse` with the backend's ``unsupported`` fields), apply the
     chat template and check the context. Raises :class:`InvalidRequest` (``top_logprobs``
     without ``logprobs``, an unsupported field) or :class:`PromptTooLong` (prompt plus budget
-    past ``max_model_len``), each naming the field; the router answers 400."""
+    past ``max_model_len``), each naming the field, as it does for text that is not valid
+    Unicode (:func:`check_text`); the router answers 400. Runs on the caller's thread: from a
+    coroutine, use :func:`plan_chat`."""
     refuse(req, unsupported)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", field="top_logprobs")
+    check_text(req)
     prompt_ids = render_prompt(tokenizer, req)
     room = max_model_len - len(prompt_ids)
     if room < 1:
@@ -115,7 +145,24 @@ def prepare_chat(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
             field=field,
         )
-    return ChatPlan(prompt_ids, max_tokens, top, req.stop_strings, tuple(req.stop_token_ids or ()))
+    return ChatPlan(
+        prompt_ids,
+        max_tokens,
+        top,
+        req.stop_strings,
+        tuple(req.stop_token_ids or ()),
+        sampling_temperature(req.temperature),
+        req.top_p,
+    )
+
+
+async def plan_chat(
+    tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, unsupported: Mapping[str, str] = {}
+) -> ChatPlan:
+    """:func:`prepare_chat` on a worker thread: the chat template and the tokenizer are CPU work
+    that grows with the prompt, and on the event loop they would stall every other request
+    (``/health`` included) for as long."""
+    return await asyncio.to_thread(prepare_chat, tokenizer, req, max_model_len, unsupported=unsupported)
 
 
 def versions_from_spans(spans: Iterable[tuple[int, int, int]], n: int, *, engine: str) -> list[int]:

@@ -10,7 +10,10 @@ does) and gets everything the launcher relies on:
   and the SDK's error handlers (every error a JSON body of the protocol's schema);
 - the socket bound before the app starts (port 0 picks a free one);
 - a lifespan that starts the backend before the first request and stops it at the end;
-- SIGTERM treated like Ctrl-C (a clean shutdown);
+- SIGTERM treated like Ctrl-C (a clean shutdown), bounded: requests still running after
+  ``config.shutdown_timeout_s`` are cancelled (their work aborted in the engine), and a process
+  still alive :data:`EXIT_MARGIN_S` later (a receive stuck in a collective) exits anyway;
+- the admission limits of ``config`` (body size, requests and tokens in flight);
 - ``config.ready_file``: a JSON file ``{"url", "pid", "port", "backend"}`` written (atomically)
   once the server answers; launchers wait for it instead of polling a guessed port.
 """
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from copy import copy
@@ -31,7 +36,14 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, ServesItself
+from pipelinerl_sdk.http.admission import Limits
 from pipelinerl_sdk.http.server import bind_socket, build_router, install_error_handlers
+
+log = logging.getLogger("pipelinerl_sdk.serve")
+
+#: Seconds past ``shutdown_timeout_s`` a SIGTERMed server may take to stop its backend before
+#: the process exits without waiting further.
+EXIT_MARGIN_S = 5.0
 
 
 def serve(backend: InferenceBackend, config: ServeConfig) -> None:
@@ -74,7 +86,11 @@ def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfi
     handlers. An app whose middleware stack is already built (vLLM's) has it rebuilt, or the
     handlers would not take effect."""
     router = build_router(
-        backend, control_token=config.control_token, api_key=config.api_key, trainer_hosts=config.trainer_hosts
+        backend,
+        control_token=config.control_token,
+        api_key=config.api_key,
+        trainer_hosts=config.trainer_hosts,
+        limits=Limits.of(config),
     )
     mount_first(app, router)
     install_error_handlers(app)
@@ -118,8 +134,14 @@ async def serve_app(app: FastAPI, backend: InferenceBackend, config: ServeConfig
 
     install_contract(app, backend, config)
     with_backend_lifespan(app, backend)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning")))
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning"),
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+        )
+    )
+    bounded_exit(server, config.shutdown_timeout_s + EXIT_MARGIN_S)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():
@@ -128,6 +150,33 @@ async def serve_app(app: FastAPI, backend: InferenceBackend, config: ServeConfig
         await asyncio.sleep(0.05)
     announce(config, sock.getsockname()[1], backend.name)
     await serving
+
+
+def bounded_exit(server: Any, deadline_s: float) -> None:
+    """SIGTERM and SIGINT (uvicorn's handler while it serves, ours before) shut uvicorn
+    ``server`` down, and end the process ``deadline_s`` after the first if it is still alive (a
+    thread stuck in a collective or a C call cannot be cancelled)."""
+    armed: list[threading.Timer] = []
+
+    def force() -> None:
+        log.error("shutdown still not done %.0f s after the signal: exiting now", deadline_s)
+        logging.shutdown()
+        os._exit(1)
+
+    def arm() -> None:
+        if not armed:
+            armed.append(threading.Timer(deadline_s, force))
+            armed[0].daemon = True
+            armed[0].start()
+
+    uvicorn_handler = server.handle_exit
+
+    def handle_exit(sig: int, frame: Any) -> None:
+        uvicorn_handler(sig, frame)
+        arm()
+
+    server.handle_exit = handle_exit  # uvicorn installs self.handle_exit while it serves
+    signal.signal(signal.SIGTERM, handle_exit)
 
 
 def run(app: FastAPI, backend: InferenceBackend, config: ServeConfig) -> None:

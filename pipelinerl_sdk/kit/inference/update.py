@@ -6,7 +6,9 @@ engine supplies only its steps.
     arm -> on_accepted() -> await_go -> [pause] receive [pause] -> apply (paused) -> version
 
 ``direct`` holds generation for the receive and the apply, ``staged`` for the apply only; either
-way generation is never held before the trainer said ``go`` (a called-off update never pauses)
+way generation is never held before the trainer said ``go`` (a called-off update never pauses),
+and with a ``first_bytes`` step not before the first bytes arrived (a trainer stuck after its
+``go`` holds nothing)
 and a failure at any step calls ``abandon`` (inside the pause when one is held) and leaves the
 old weights serving. Errors come out normalised (:func:`normalise_update_error`) the same for
 every engine.
@@ -37,6 +39,11 @@ async def _nothing() -> None:
     return None
 
 
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass(frozen=True, slots=True)
 class UpdateSteps:
     """The engine-specific steps of one update, each awaited once at most, in this order:
@@ -49,7 +56,11 @@ class UpdateSteps:
     - ``abandon``: after a failure at any step, put the engine back as it was (old weights
       serving, session closed); raise only if old weights cannot be guaranteed;
     - ``paused``: a context holding generation between two engine steps; its value may carry
-      ``held_s`` (seconds held, as measured by the engine), else the kit times it."""
+      ``held_s`` (seconds held, as measured by the engine), else the kit times it;
+    - ``first_bytes`` (optional): returns once the receive's first bytes arrived. Given, a
+      ``direct`` update starts ``receive`` unpaused and holds generation from then on, so the
+      receive must write nothing live before it returns (it receives into a buffer of its own);
+      None: ``direct`` holds generation from the trainer's ``go``."""
 
     await_go: Callable[[], Awaitable[None]]
     receive: Callable[[], Awaitable[float]]
@@ -57,6 +68,7 @@ class UpdateSteps:
     paused: Callable[[], AbstractAsyncContextManager[Any]]
     arm: Callable[[], Awaitable[None]] = _nothing
     abandon: Callable[[], Awaitable[None]] = _nothing
+    first_bytes: Callable[[], Awaitable[None]] | None = None
 
 
 def normalise_update_error(e: BaseException, book: GroupBook) -> BaseException:
@@ -108,11 +120,29 @@ async def run_update(
         await receive()
         await apply()
 
+    async def direct_once_bytes_flow(first_bytes: Callable[[], Awaitable[None]]) -> float:
+        receiving = asyncio.ensure_future(receive())
+        flowing = asyncio.ensure_future(first_bytes())
+        try:
+            await asyncio.wait({receiving, flowing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            flowing.cancel()
+        if receiving.done():
+            receiving.result()  # failed before any byte arrived: nothing was held
+
+        async def rest() -> None:
+            await receiving
+            await apply()
+
+        return await hold(rest)
+
     try:
         await steps.arm()
         on_accepted()
         await steps.await_go()
-        if mode == "direct":
+        if mode == "direct" and steps.first_bytes is not None:
+            pause_s = await direct_once_bytes_flow(steps.first_bytes)
+        elif mode == "direct":
             pause_s = await hold(receive_and_apply)
         else:
             await receive()
@@ -145,12 +175,20 @@ def local_steps(
 ) -> UpdateSteps:
     """The steps of an engine whose server process holds the model (plain torch params) and is
     itself the receiving worker: receive on a worker thread into ``weights``' spare buffer, then
-    make it live by re-pointing ``params`` (no copy in the pause) and tag ``gate``'s version."""
+    make it live by re-pointing ``params`` (no copy in the pause) and tag ``gate``'s version.
+    Nothing live is written before the apply, so ``direct`` holds generation only once the first
+    bucket arrived (``first_bytes``)."""
     from pipelinerl_sdk.weights.buckets import BucketPlan
 
     plan = BucketPlan.build(req.params, req.bucket_bytes)
     into = weights.spare(plan.total_bytes, receiver.group.device)
     staged: list[StagedWeights] = []
+    flowing: list[asyncio.Future[None]] = []  # done once the first bucket arrived
+
+    def first_bucket() -> asyncio.Future[None]:
+        if not flowing:
+            flowing.append(asyncio.get_running_loop().create_future())
+        return flowing[0]
 
     async def arm() -> None:
         receiver.prepare(plan, into=into)
@@ -159,11 +197,23 @@ def local_steps(
         await asyncio.to_thread(receiver.await_go, update_key(req.version), req.timeout_s)
 
     async def receive() -> float:
-        staged.append(await asyncio.to_thread(receiver.receive_decided, plan, into=into))
+        arrived = first_bucket()
+        loop = arrived.get_loop()
+
+        def on_first_bucket() -> None:
+            loop.call_soon_threadsafe(_settle, arrived)
+
+        received = await asyncio.to_thread(receiver.receive_decided, plan, into=into, on_first_bucket=on_first_bucket)
+        staged.append(received)
         return staged[0].receive_s
+
+    async def first_bytes() -> None:
+        await first_bucket()
 
     async def apply() -> None:
         weights.apply(staged[0], params)
         gate.set_version(req.version)
 
-    return UpdateSteps(await_go=await_go, receive=receive, apply=apply, paused=gate.paused, arm=arm)
+    return UpdateSteps(
+        await_go=await_go, receive=receive, apply=apply, paused=gate.paused, arm=arm, first_bytes=first_bytes
+    )

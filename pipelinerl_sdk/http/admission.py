@@ -1,0 +1,78 @@
+"""Admission of chat requests: a server takes at most so many requests, and so many completion
+tokens, at once; past either bound a request is refused at once (:class:`Overloaded`, 429 with
+``Retry-After``) instead of queueing without end behind work it cannot reach."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pipelinerl_sdk.contracts import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_TOKENS_IN_FLIGHT,
+    ServeConfig,
+)
+from pipelinerl_sdk.errors import Overloaded
+from pipelinerl_sdk.protocol import ChatCompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one server admits: bodies up to ``max_body_bytes``; at most ``max_requests`` chat
+    requests and ``max_tokens`` completion tokens (:func:`chat_cost`) at once."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    max_tokens: int = DEFAULT_MAX_TOKENS_IN_FLIGHT
+
+    @classmethod
+    def of(cls, config: ServeConfig) -> Limits:
+        return cls(config.max_body_bytes, config.max_queued_requests, config.max_tokens_in_flight)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_requests", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+#: The budget counted for a request without ``max_tokens`` when the backend reports no context
+#: length (with one, such a request may generate to the context's end, and that is counted).
+UNKNOWN_CONTEXT_BUDGET = 256
+
+
+def chat_cost(req: ChatCompletionRequest, default_budget: int) -> int:
+    """The completion tokens ``req`` may generate: ``n`` times its token budget (or
+    ``default_budget``, the room a request without one may fill, when it names none)."""
+    return req.n * (req.token_budget or default_budget)
+
+
+class Admission:
+    """The requests and tokens admitted now. Event-loop only (not thread-safe)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.requests = 0
+        self.tokens = 0
+
+    @contextmanager
+    def admit(self, cost: int) -> Iterator[None]:
+        """Hold ``cost`` tokens and one request slot for the block; :class:`Overloaded` (nothing
+        held) past a bound. A request past the token bound alone is admitted when nothing else
+        is in flight, so a bound smaller than one request never refuses it for ever."""
+        lim = self.limits
+        if self.requests >= lim.max_requests:
+            raise Overloaded(f"server busy: {self.requests} requests in flight (limit {lim.max_requests}); retry later")
+        if self.tokens and self.tokens + cost > lim.max_tokens:
+            raise Overloaded(
+                f"server busy: {self.tokens} tokens in flight + {cost} asked is past the limit of {lim.max_tokens}; "
+                "retry later"
+            )
+        self.requests += 1
+        self.tokens += cost
+        try:
+            yield
+        finally:
+            self.requests -= 1
+            self.tokens -= cost

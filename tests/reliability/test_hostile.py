@@ -1,0 +1,285 @@
+"""Hostile hand-written requests against a real reference server (issue 15, items 6-10): none may
+fail another request, stall the event loop, outstay its welcome, or get a 5xx.
+
+Every test here failed before its fix; the bounds on time are generous and only prove that
+something does not wait behind something else (seconds against the minutes it took before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_server_integration import run, train_step
+
+from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+
+pytestmark = pytest.mark.integration
+SMALL = {"messages": [{"role": "user", "content": "12+7="}], "max_tokens": 6, "temperature": 0}
+#: A request that keeps one sequence slot busy for minutes on the tiny model at batch size 1.
+HOG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True, "n": 64}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_model: Path) -> Iterator[ServerProcess]:
+    """A reference server with small limits: 1 MiB bodies, 3 requests, 3000 tokens in flight."""
+    args = ["--max-body-bytes", str(1 << 20), "--max-queued-requests", "3", "--max-tokens-in-flight", "3000"]
+    with ServerProcess("reference", tiny_model, options={"threads": 1}, args=args, startup_timeout_s=120) as srv:
+        yield srv
+
+
+def post(srv: ServerProcess, path: str, body: Any, **kw: Any) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {srv.control_token}"} if not path.startswith("/v1") else {}
+    return httpx.post(srv.url + path, json=body, headers=headers, timeout=120, **kw)
+
+
+# --- 6. a request the engine cannot compute fails nobody, itself included -------------------------
+
+
+def test_underflowing_temperature_and_top_p_are_served_and_fail_no_neighbour(server: Any) -> None:
+    """1e-40 underflows float32: the temperature is raised to the smallest one sampled (vLLM's
+    rule), top-p keeps the most likely token; the neighbours decoding in the same batch finish."""
+
+    async def body() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            innocent = [
+                asyncio.ensure_future(http.post("/v1/chat/completions", json={**SMALL, "max_tokens": 64, "seed": i}))
+                for i in range(4)
+            ]
+            hostile = [
+                http.post("/v1/chat/completions", json={**SMALL, "temperature": 1e-40}),
+                http.post("/v1/chat/completions", json={**SMALL, "temperature": 1.0, "top_p": 1e-46}),
+                http.post("/v1/chat/completions", json={**SMALL, "temperature": 5e-324, "top_p": 5e-324, "n": 3}),
+            ]
+            bad = await asyncio.gather(*hostile)
+            return list(await asyncio.gather(*innocent)), list(bad)
+
+    innocent, hostile = run(body)
+    assert [r.status_code for r in innocent] == [200] * 4
+    assert [r.status_code for r in hostile] == [200] * 3, [r.text[:200] for r in hostile]
+    greedy = post(server, "/v1/chat/completions", {**SMALL, "return_token_ids": True}).json()
+    tiny_top_p = post(server, "/v1/chat/completions", {**SMALL, "top_p": 1e-46, "temperature": 1.0}).json()
+    assert tiny_top_p["choices"][0]["message"] == greedy["choices"][0]["message"]  # only the top token is kept
+
+
+# --- 7. body size and CPU work off the event loop --------------------------------------------------
+
+
+def raw_request(url: str, head: str, body: bytes = b"") -> bytes:
+    """Send ``head`` (and ``body``) on a fresh connection; the status line read back within 60 s."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + body)
+        return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_body_past_the_limit_is_413_before_it_is_read(limited: ServerProcess) -> None:
+    host = limited.url.removeprefix("http://")
+    declared = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {8 << 20}\r\n\r\n"
+    assert raw_request(limited.url, declared, b"{") == b"HTTP/1.1 413 Request Entity Too Large"
+    chunk = b" " * (256 << 10)
+    chunked = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = (f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") * 5  # 1.25 MiB, no end: never parsed
+    assert raw_request(limited.url, chunked, chunks) == b"HTTP/1.1 413 Request Entity Too Large"
+    r = post(limited, "/v1/chat/completions", {**SMALL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text[:300]
+    assert "limit of 1048576" in r.json()["error"]["message"]
+    assert post(limited, "/v1/chat/completions", SMALL).status_code == 200  # under the limit: served
+
+
+def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> None:
+    """The prompt's chat template and tokenisation run off the event loop (they took 15 s on it)."""
+    args = ["--max-body-bytes", str(32 << 20)]
+    with ServerProcess("reference", tiny_model, options={"threads": 1}, args=args, startup_timeout_s=120) as srv:
+
+        async def body() -> tuple[httpx.Response, list[float]]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+                big = asyncio.ensure_future(
+                    http.post(
+                        "/v1/chat/completions",
+                        json={**SMALL, "messages": [{"role": "user", "content": "ab " * ((10 << 20) // 3)}]},
+                    )
+                )
+                stalls: list[float] = []
+                while not big.done():
+                    t0 = time.perf_counter()
+                    assert (await http.get("/health")).status_code == 200
+                    stalls.append(time.perf_counter() - t0)
+                    await asyncio.sleep(0.02)
+                return await big, stalls
+
+        resp, stalls = run(body)
+    print(f"\n/health during a 10 MB prompt: {len(stalls)} answers, longest {max(stalls) * 1000:.0f} ms")
+    assert resp.status_code == 400 and resp.json()["error"]["field"] == "messages"  # past the context
+    assert len(stalls) >= 3, "the big request must still be processing while /health is asked"
+    assert max(stalls) < 5.0, f"/health stalled {max(stalls):.1f} s behind one request"
+
+
+# --- 8. admission, a client that leaves, SIGTERM ----------------------------------------------------
+
+
+async def in_flight(http: httpx.AsyncClient, n: int) -> None:
+    """Return once ``n`` chat requests are admitted (the server's /health counts them)."""
+    while (await http.get("/health")).json()["requests_in_flight"] < n:
+        await asyncio.sleep(0.01)
+
+
+def test_requests_past_the_admission_limits_get_429_with_retry_after(limited: ServerProcess) -> None:
+    long = {**SMALL, "max_tokens": 1500, "ignore_eos": True}
+
+    async def body() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=limited.url, timeout=300) as http:
+            running = [asyncio.ensure_future(http.post("/v1/chat/completions", json=long))]
+            refused: list[httpx.Response] = []
+            await in_flight(http, 1)
+            # 1500 in flight + 1600 asked > 3000: refused while the long one runs
+            while not running[0].done():
+                r = await http.post("/v1/chat/completions", json={**SMALL, "max_tokens": 1600, "ignore_eos": True})
+                if r.status_code == 429:
+                    refused.append(r)
+                    break
+            # 3 requests in flight at most: a fourth small one is refused
+            for _ in range(2):
+                running.append(
+                    asyncio.ensure_future(http.post("/v1/chat/completions", json={**long, "max_tokens": 700}))
+                )
+                await in_flight(http, len(running))
+            while not all(t.done() for t in running):
+                r = await http.post("/v1/chat/completions", json={**SMALL, "max_tokens": 1})
+                if r.status_code == 429:
+                    refused.append(r)
+                    break
+            return list(await asyncio.gather(*running)), refused
+
+    done, refused = run(body)
+    assert [r.status_code for r in done] == [200] * 3
+    assert len(refused) == 2, "both bounds must refuse while the long requests run"
+    tokens, requests = (r.json()["error"]["message"] for r in refused)
+    assert "tokens in flight" in tokens and "limit of 3000" in tokens
+    assert "requests in flight (limit 3)" in requests
+    for r in refused:
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded"
+    # A request alone past the token bound is admitted when nothing else runs.
+    assert post(limited, "/v1/chat/completions", {**SMALL, "max_tokens": 20, "n": 200 // 20}).status_code == 200
+
+
+def test_a_client_that_leaves_frees_the_engine(tiny_model: Path) -> None:
+    """64 x 2000 tokens at batch size 1 take minutes; once its client left, a small request is
+    served at once."""
+    with ServerProcess(
+        "reference", tiny_model, options={"threads": 1, "max_batch_size": 1}, startup_timeout_s=120
+    ) as srv:
+
+        async def body() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+                hog = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOG))
+                await asyncio.sleep(1.0)  # admitted and generating
+                hog.cancel()  # the client leaves: its connection closes
+                with pytest.raises(asyncio.CancelledError):
+                    await hog
+                return await asyncio.wait_for(http.post("/v1/chat/completions", json=SMALL), 60)
+
+        assert run(body).status_code == 200
+
+
+def test_sigterm_stops_the_server_with_work_in_flight(tiny_model: Path) -> None:
+    srv = ServerProcess(
+        "reference",
+        tiny_model,
+        options={"threads": 1, "max_batch_size": 1},
+        args=["--shutdown-timeout", "1"],
+        startup_timeout_s=120,
+    ).start()
+    try:
+
+        async def body() -> int | None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+                hog = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOG))
+                await asyncio.sleep(1.0)
+                assert srv.proc is not None
+                os.kill(srv.pid, signal.SIGTERM)
+                code = await asyncio.to_thread(srv.proc.wait, 30)  # minutes of work were in flight
+                with pytest.raises(httpx.HTTPError):  # the connection ends with the process
+                    (await hog).raise_for_status()
+                return code
+
+        assert run(body) == 0
+    finally:
+        srv.stop()
+
+
+# --- 9. a trainer stuck after its go holds no generation ------------------------------------------
+
+
+def test_direct_update_pauses_only_once_bytes_flow(tiny_model: Path, trainer: ReferenceTrainer) -> None:
+    with ServerProcess("reference", tiny_model, receive_mode="direct", options={"threads": 1}) as srv:
+
+        async def body() -> None:
+            async with InferenceClient(srv.url, control_token=srv.control_token) as client:
+                pub = WeightPublisher([client], bucket_bytes=64 << 10, mode="direct")
+                await pub.connect()
+                version = (await client.info()).version + 1
+                train_step(trainer, seed=3)
+                async with pub.update(version, trainer.param_specs()) as sink:
+                    # the go is posted; this trainer stalls before sending a byte. A request of
+                    # 400 tokens outlasts the server's reading of the go: held, it could not end
+                    chat = asyncio.ensure_future(client.chat({**SMALL, "max_tokens": 400, "ignore_eos": True}))
+                    finished, _ = await asyncio.wait({chat}, timeout=60)
+                    assert chat in finished, "chat was held by an update whose bytes had not started"
+                    assert set(chat.result().choices[0].weight_versions) == {version - 1}
+                    await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+                after = await client.chat(SMALL)
+                assert set(after.choices[0].weight_versions) == {version}
+                await pub.close()
+
+        run(body)
+
+
+# --- 10. bad input is a 4xx naming the field --------------------------------------------------------
+
+
+def test_lone_surrogate_is_400_naming_the_message(server: Any) -> None:
+    raw = json.dumps({**SMALL, "messages": [{"role": "user", "content": "a\ud800b"}]})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["field"] == "messages.0.content"
+
+
+def test_rank_offset_past_world_size_is_400_before_joining(server: Any) -> None:
+    body = {"init_method": "tcp://127.0.0.1:9", "rank_offset": 2, "world_size": 2, "group_secret": "ab" * 16}
+    r = post(server, "/init_process_group", body)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["field"] == "rank_offset" and "world_size 2" in r.json()["error"]["message"]
+
+
+def test_probe_without_a_decision_is_408(tiny_model: Path) -> None:
+    with ServerProcess("reference", tiny_model, options={"threads": 1}) as srv:
+
+        async def body() -> httpx.Response:
+            async with InferenceClient(srv.url, control_token=srv.control_token) as client:
+                pub = WeightPublisher([client], bucket_bytes=64 << 10)
+                await pub.connect()
+                group = (await client.info()).group
+                assert group is not None
+                probe = {"nbytes": 1024, "probe_id": 1, "group_id": group.group_id, "timeout_s": 1}
+                r = await asyncio.to_thread(post, srv, "/probe_broadcast", probe)
+                await pub.close()
+                return r
+
+        r = run(body)
+    assert r.status_code == 408, r.text[:300]
+    assert r.json()["error"]["type"] == "decision_timeout" and "no decision" in r.json()["error"]["message"]
