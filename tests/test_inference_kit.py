@@ -303,3 +303,61 @@ def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# --- the engine card: declared once, registered by the plugin, read by the class ----------------------
+
+
+def test_engine_card_is_what_the_registry_and_the_backend_class_both_read(tiny_model: Path) -> None:
+    """The reference backend's card, registered by its plugin: the registry lists the card's
+    capabilities and description, creating the backend passes the registry's agreement check, and
+    the constructor refuses an option the card does not name (naming the card's options) or a
+    missing engine (naming what to install). A subclass that changes its capabilities is refused."""
+    import dataclasses
+
+    from pipelinerl_sdk.errors import PluginError
+    from pipelinerl_sdk.kit.inference import full_capabilities
+    from pipelinerl_sdk.plugins import load_registry
+    from pipelinerl_sdk.reference import plugin
+    from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
+    from pipelinerl_sdk.reference.capabilities import INFERENCE_CARD as CARD
+
+    registry = load_registry(autoload=False, plugins={"reference": plugin})
+    entry = registry.get("inference", "reference")
+    assert (entry.capabilities, entry.description, entry.factory) == (CARD.capabilities, CARD.description, CARD.factory)
+    assert ReferenceInferenceBackend.capabilities == CARD.capabilities == full_capabilities("direct", "staged")
+    assert CARD.capabilities.prompt_logprobs and CARD.capabilities.group_backends == {"gloo", "nccl"}
+    config = ServeConfig(model=tiny_model, options={"threads": "1"})
+    backend = registry.create_inference("reference", config)
+    assert backend.name == "reference" and backend.capabilities == CARD.capabilities
+    known = r"\['max_batch_size', 'max_model_len', 'threads'\]"
+    with pytest.raises(
+        ValueError, match=rf"unknown option\(s\) for the reference backend: \['bad'\] \(known: {known}\)"
+    ):
+        ReferenceInferenceBackend(ServeConfig(model=tiny_model, options={"bad": "1"}))
+
+    class Drifted(ReferenceInferenceBackend):
+        capabilities = full_capabilities("direct")
+
+    registry.entries["inference", "reference"] = dataclasses.replace(entry, factory=Drifted)
+    with pytest.raises(PluginError, match="capabilities differ from those it registered"):
+        registry.create_inference("reference", config)
+
+    class Missing(ReferenceInferenceBackend):
+        card = dataclasses.replace(CARD, name="missing", engine=("no_such_engine_xyz", "NoSuch 1.0"))
+
+    with pytest.raises(PluginError, match=r"the missing backend needs NoSuch 1\.0"):
+        Missing(config)
+
+
+@given(rank_offset=st.integers(1, 64), index=st.integers(0, 7), timeout=st.floats(1, 3600))
+def test_group_config_invitation_and_joining_round_trip(rank_offset: int, index: int, timeout: float) -> None:
+    """The trainer's config invites a server (``/init_process_group`` body); a worker of that
+    server joins with the trainer's config but its own rank: nothing else may differ."""
+    trainer = GroupConfig("tcp://127.0.0.1:29500", 0, 72, "gloo", "g-1", timeout, new_group_secret())
+    req = trainer.invitation(rank_offset)
+    assert req.rank_offset == rank_offset and req.group_secret == trainer.secret
+    worker = GroupConfig.joining(
+        InitProcessGroupRequest.model_validate(req.model_dump(mode="json")), rank_offset + index
+    )
+    assert worker == GroupConfig(trainer.init_method, rank_offset + index, 72, "gloo", "g-1", timeout, trainer.secret)

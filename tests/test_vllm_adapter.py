@@ -321,7 +321,7 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
     trainer step published through /pause, /start_weight_update, /update_weights,
     /finish_weight_update and /resume is what vLLM then serves (logprobs equal the trainer's,
     fp32: 1e-4); vLLM's own /weight_info reports the version; the SDK's next update still works."""
-    from pipelinerl_sdk.bench.anchor import load_anchor
+    from pipelinerl_sdk.bench.anchor import FlowTarget, load_anchor
 
     anchor = load_anchor("vllm")
     flow = anchor.flow if anchor is not None else None
@@ -337,9 +337,8 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
             ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
             trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
             trainer.step()
-            done = await flow.update(
-                vllm_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs(), info.version + 1
-            )
+            target = FlowTarget(vllm_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs())
+            done = await flow.update(target, info.version + 1)
             assert done.send_s > 0 and 0 < done.pause_s <= done.wall_s
             async with httpx.AsyncClient(base_url=vllm_server.url) as http:
                 assert (await http.get("/weight_info")).json()["weight_version"] == str(info.version + 1)

@@ -11,7 +11,9 @@ imported only by the benchmark, guarded like a backend's factory. ``ANCHOR`` has
 - a :class:`NativeUpdateFlow` (it has ``update``): it reuses the SDK's own server and the
   weight-update group the SDK's publisher already formed (the transport that works on this
   machine), so the two differ only in what each drives over HTTP and when each pauses; measured
-  as mode ``native`` (vLLM's);
+  as mode ``native`` (vLLM's). The trainer's side of it is engine-independent: a
+  :class:`FlowTarget` gives the flow the group, the bucket plan, the trainer's ``go`` and the
+  broadcast, so a flow writes only the engine's HTTP calls;
 - a :data:`StandaloneAnchor` callable ``anchor(model_dir, *, dtype, updates) -> dict`` with at least
   ``update_wall_s`` (median seconds of one update): it starts its own plain engine server and group,
   after the SDK's server has stopped (SGLang's).
@@ -19,17 +21,20 @@ imported only by the benchmark, guarded like a backend's factory. ``ANCHOR`` has
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from pipelinerl_sdk.errors import PluginError
 from pipelinerl_sdk.plugins import BackendRegistry, load_registry
-from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.protocol import ParamSpec, update_key
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.send import WeightSender
 
-__all__ = ["BenchAnchor", "NativeUpdate", "NativeUpdateFlow", "StandaloneAnchor", "load_anchor"]
+__all__ = ["BenchAnchor", "FlowTarget", "NativeUpdate", "NativeUpdateFlow", "StandaloneAnchor", "load_anchor"]
 
 #: ``anchor(model_dir, *, dtype, updates) -> dict`` with at least ``update_wall_s``.
 StandaloneAnchor = Callable[..., dict[str, Any]]
@@ -47,6 +52,53 @@ class NativeUpdate:
     send_s: float
 
 
+@dataclass(frozen=True)
+class FlowTarget:
+    """What a native flow publishes to, and the trainer's side of it: the SDK's server at ``url``,
+    ``publisher`` (its group connected: the flow reuses it), ``send`` (hands every param to a
+    sender: the trainer's gather) and the ``specs`` of the update."""
+
+    url: str
+    publisher: WeightPublisher
+    send: Callable[[WeightSender], None]
+    specs: Sequence[ParamSpec]
+
+    @property
+    def group(self) -> WeightSyncGroup:
+        """The publisher's group; RuntimeError if it is not connected."""
+        if self.publisher.group is None:
+            raise RuntimeError("the publisher is not connected: the native flow reuses its group")
+        return self.publisher.group
+
+    def plan(self) -> BucketPlan:
+        """The buckets of the update, at the publisher's bucket size."""
+        return BucketPlan.build(self.specs, self.publisher.bucket_bytes)
+
+    @contextmanager
+    def go(self, version: int) -> Iterator[None]:
+        """The trainer's ``go`` for ``version`` is posted in the group's store for the block (a
+        receiver waits for it before any collective), and cleared after it."""
+        key = update_key(version)
+        self.group.clear_decision(key)
+        self.group.post_decision(key, go=True)
+        try:
+            yield
+        finally:
+            self.group.clear_decision(key)
+
+    def broadcast(self, buffers: dict[int, list[Any]]) -> float:
+        """Broadcast every param in :meth:`plan`'s buckets (blocking: run it on a thread);
+        returns the sender's seconds. ``buffers`` keeps the sender's bucket buffers by bucket size
+        across updates, as the SDK's publisher keeps its own."""
+        plan = self.plan()
+        sender = WeightSender(self.group, plan, buffers.get(plan.max_bucket_bytes))
+        self.send(sender)
+        seconds = sender.finish().seconds
+        if sender.buffers is not None:
+            buffers[plan.max_bucket_bytes] = sender.buffers
+        return seconds
+
+
 class NativeUpdateFlow(Protocol):
     """An engine's documented update flow. ``server_env``: environment the server must start with
     for the engine to expose the routes the flow calls."""
@@ -54,16 +106,8 @@ class NativeUpdateFlow(Protocol):
     description: str
     server_env: Mapping[str, str]
 
-    async def update(
-        self,
-        server_url: str,
-        publisher: WeightPublisher,
-        send: Callable[[WeightSender], None],
-        specs: Sequence[ParamSpec],
-        version: int,
-    ) -> NativeUpdate:
-        """Publish ``version`` through the engine's own routes over ``publisher``'s connected
-        group; ``send`` hands every param to the sender (the trainer's gather). Raises on any
+    async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
+        """Publish ``version`` to ``target`` through the engine's own routes. Raises on any
         failure; the weights then served are the engine's business (as without the SDK)."""
         ...
 

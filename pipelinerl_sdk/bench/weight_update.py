@@ -58,13 +58,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipelinerl_sdk.bench.anchor import NativeUpdateFlow, load_anchor
+from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdateFlow, load_anchor
 from pipelinerl_sdk.bench.load import SUPPORTS_IGNORE_EOS, ChatLoad
 from pipelinerl_sdk.bench.model import bench_model
 from pipelinerl_sdk.contracts import TrainerSpec
@@ -98,6 +98,16 @@ MAX_TOKENS = 32
 TEMPERATURE = 1.0
 #: Load runs this long after its phase requests before the first window (steady state).
 RAMP_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """How long each way of updating is measured: ``updates`` timed idle updates, then chat load
+    from ``concurrency`` workers in two windows of ``seconds`` (see the module doc)."""
+
+    seconds: float
+    updates: int
+    concurrency: int
 
 
 def run_weight_update_bench(
@@ -140,9 +150,7 @@ def run_weight_update_bench(
                     _bench(
                         server,
                         path,
-                        seconds=seconds,
-                        updates=updates,
-                        concurrency=concurrency,
+                        _Budget(seconds, updates, concurrency),
                         bucket_mb=bucket_mb,
                         memcpy_threads=memcpy_threads,
                         flow=flow,
@@ -173,10 +181,8 @@ def run_weight_update_bench(
 async def _bench(
     server: ServerProcess,
     path: Path,
+    budget: _Budget,
     *,
-    seconds: float,
-    updates: int,
-    concurrency: int,
     bucket_mb: int,
     memcpy_threads: int,
     flow: NativeUpdateFlow | None,
@@ -206,10 +212,8 @@ async def _bench(
         bench_mode = functools.partial(
             _bench_mode,
             client,
+            budget=budget,
             versions=versions,
-            updates=updates,
-            seconds=seconds,
-            concurrency=concurrency,
             memcpy_s=memcpy_s,
             probe=probe,
             cpu=_CpuMeter([server.pid]),
@@ -227,10 +231,10 @@ async def _bench(
             modes[mode] = await bench_mode(sdk)
             modes[mode]["meets_targets"] = _meets(mode, modes[mode])
         if flow is not None:
-            native_flow = flow
+            native_flow, target = flow, FlowTarget(server.url, publisher, trainer.gather_and_broadcast, specs)
 
             async def native(version: int) -> UpdateRecord:
-                done = await native_flow.update(server.url, publisher, trainer.gather_and_broadcast, specs, version)
+                done = await native_flow.update(target, version)
                 return UpdateRecord(done.wall_s, done.pause_s, done.send_s, None, None)
 
             modes["native"] = await bench_mode(native)
@@ -253,9 +257,7 @@ async def _bench(
             "modes": modes,
             "targets": {**TARGETS, "applies_to": {k: list(v) for k, v in TARGET_MODES.items()}},
             "config": {
-                "seconds": seconds,
-                "updates": updates,
-                "concurrency": concurrency,
+                **asdict(budget),
                 "bucket_mb": bucket_mb,
                 "bucket_bytes": bucket_bytes,
                 "buckets": len(plan.buckets),
@@ -355,16 +357,14 @@ async def _bench_mode(
     publish: Callable[[int], Awaitable[UpdateRecord]],
     versions: itertools.count[int],
     *,
-    updates: int,
-    seconds: float,
-    concurrency: int,
+    budget: _Budget,
     memcpy_s: float,
     probe: Callable[[], Awaitable[float]],
     cpu: _CpuMeter,
 ) -> dict[str, Any]:
     await publish(next(versions))  # warm-up
     flats, records = [], []
-    for _ in range(updates):  # interleaved: each ratio compares like with like
+    for _ in range(budget.updates):  # interleaved: each ratio compares like with like
         flats.append(await probe())
         records.append(await publish(next(versions)))
     idle = _summary(records)
@@ -372,21 +372,21 @@ async def _bench_mode(
 
     loop = asyncio.get_running_loop()
     under_load: list[UpdateRecord] = []
-    async with ChatLoad(client, concurrency=concurrency, max_tokens=MAX_TOKENS, temperature=TEMPERATURE) as load:
+    async with ChatLoad(client, concurrency=budget.concurrency, max_tokens=MAX_TOKENS, temperature=TEMPERATURE) as load:
         await load.wait_phased()
         await asyncio.sleep(RAMP_S)
         t0 = loop.time()
         c0 = cpu.sample()
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(budget.seconds)
         t1 = loop.time()
         c1 = cpu.sample()
         tick = 0
-        while (due := t1 + tick * UPDATE_INTERVAL_S) < t1 + seconds:
+        while (due := t1 + tick * UPDATE_INTERVAL_S) < t1 + budget.seconds:
             await asyncio.sleep(max(0.0, due - loop.time()))
             under_load.append(await publish(next(versions)))
             # An update that overran its second skips the ticks it missed.
             tick = max(tick + 1, int((loop.time() - t1) // UPDATE_INTERVAL_S) + 1)
-        t2 = t1 + seconds
+        t2 = t1 + budget.seconds
         await asyncio.sleep(max(0.0, t2 - loop.time()))
         c2 = cpu.sample()
         baseline, updating = load.window(t0, t1), load.window(t1, t2)

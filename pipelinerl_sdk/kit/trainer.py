@@ -74,7 +74,7 @@ from pipelinerl_sdk.contracts import (
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import hf_name, spec_of
 
-__all__ = ["KitTrainer", "adamw", "clip_global_norm", "full_tensor"]
+__all__ = ["FullParamsOut", "KitTrainer", "adamw", "clip_global_norm", "full_tensor"]
 
 
 def adamw(spec: TrainerSpec, params: Sequence[torch.nn.Parameter]) -> torch.optim.AdamW:
@@ -104,7 +104,46 @@ def clip_global_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> 
     return float(norm)
 
 
-class KitTrainer(TrainerBackend):
+class FullParamsOut:
+    """The contract's ``gather_and_broadcast`` and ``state_dict_hf`` from one iterator, for any
+    trainer (mix it in before :class:`~pipelinerl_sdk.contracts.TrainerBackend`).
+
+    The trainer implements :meth:`full_params`: full tensors under HF names, in ``param_specs()``
+    order, every rank iterating to the end (the gathers are collectives); :meth:`lendable`: a
+    tensor that stays unchanged until the next ``step`` is handed to the sink with
+    :func:`~pipelinerl_sdk.contracts.lend` (no copy), any other is sent (copied); and
+    :meth:`check_ready`: RuntimeError before ``init``. ``gather_and_broadcast`` hands every tensor
+    to the sink (rank 0; ``None`` on the others, which still iterate), ``state_dict_hf`` copies
+    every tensor to CPU on every rank."""
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement full_params")
+
+    def lendable(self, tensor: torch.Tensor) -> bool:
+        """Default: nothing is lent."""
+        return False
+
+    def check_ready(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement check_ready")
+
+    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+        self.check_ready()
+        with torch.no_grad():
+            for name, tensor in self.full_params():
+                if sink is not None:
+                    if self.lendable(tensor):
+                        lend(sink, name, tensor)
+                    else:
+                        sink.send(name, tensor)
+                del tensor
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        self.check_ready()
+        with torch.no_grad():
+            return {name: t.detach().clone().cpu() for name, t in self.full_params()}
+
+
+class KitTrainer(FullParamsOut, TrainerBackend):
     """A trainer backend built from hooks (see the module docstring for what the kit owns).
 
     Required: :meth:`build_model`. Everything else has a default for an HF model that takes
@@ -286,21 +325,11 @@ class KitTrainer(TrainerBackend):
         self.steps += 1
         return StepMetrics(step=self.steps, grad_norm=norm, lr=self.current_lr())
 
-    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
-        self._require()
-        with torch.no_grad():
-            for name, tensor in self.full_params():
-                if sink is not None:
-                    if self.lends_params:
-                        lend(sink, name, tensor)
-                    else:
-                        sink.send(name, tensor)
-                del tensor
+    def lendable(self, tensor: torch.Tensor) -> bool:
+        return self.lends_params
 
-    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+    def check_ready(self) -> None:
         self._require()
-        with torch.no_grad():
-            return {name: t.detach().clone().cpu() for name, t in self.full_params()}
 
     def close(self) -> None:
         try:

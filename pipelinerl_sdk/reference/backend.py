@@ -28,19 +28,11 @@ from pipelinerl_sdk.weights.tensors import spec_of
 
 CAPABILITIES = capabilities.INFERENCE
 
-OPTIONS = {
-    "max_batch_size": "max concurrent sequences (default 32)",
-    "max_model_len": "context length (default 2048)",
-    "threads": "torch intra-op threads (default torch's)",
-}
-
 
 class ReferenceInferenceBackend(KitBackend):
-    """Options (``--option k=v``): see :data:`OPTIONS`."""
+    """Options (``--option k=v``): see :data:`~pipelinerl_sdk.reference.capabilities.INFERENCE_CARD`."""
 
-    backend_name = "reference"
-    capabilities = CAPABILITIES
-    OPTIONS = OPTIONS
+    card = capabilities.INFERENCE_CARD
 
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
@@ -84,16 +76,7 @@ class ReferenceInferenceBackend(KitBackend):
         self.book.leave()
         if old is not None:
             old.close()
-        cfg = GroupConfig(
-            req.init_method,
-            req.rank_offset,
-            req.world_size,
-            req.backend,
-            req.group_name,
-            req.timeout_s,
-            req.group_secret,
-        )
-        group = await asyncio.to_thread(WeightSyncGroup, cfg)
+        group = await asyncio.to_thread(WeightSyncGroup, GroupConfig.joining(req, req.rank_offset))
         self._receiver = WeightReceiver(group)
         return self.book.join(req, 1, group)
 

@@ -1,20 +1,22 @@
-"""Capabilities of the reference backends (no torch import: the plugin module reads these)."""
+"""Declarations of the reference backends (no torch import: the plugin module reads these)."""
 
 from __future__ import annotations
 
-from pipelinerl_sdk.contracts import InferenceCapabilities, TrainerCapabilities
+from pipelinerl_sdk.contracts import TrainerCapabilities
+from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 
-INFERENCE = InferenceCapabilities(
-    receive_modes=frozenset({"direct", "staged"}),
-    group_backends=frozenset({"gloo", "nccl"}),
-    in_flight_updates=True,
-    per_token_versions=True,
-    prompt_logprobs=True,
-    top_logprobs=True,
-    dtypes=frozenset({"float32", "bfloat16"}),
-    stop_strings=True,
-    logit_bias=True,
-    penalties=True,
+INFERENCE = full_capabilities("direct", "staged")
+
+INFERENCE_CARD = EngineCard(
+    "reference",
+    "pipelinerl_sdk.reference.backend:ReferenceInferenceBackend",
+    INFERENCE,
+    "torch + transformers, continuous batching with a KV cache; staged and direct receive",
+    options={
+        "max_batch_size": "max concurrent sequences (default 32)",
+        "max_model_len": "context length (default 2048)",
+        "threads": "torch intra-op threads (default torch's)",
+    },
 )
 
 TRAINER = TrainerCapabilities(

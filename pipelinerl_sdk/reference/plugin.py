@@ -11,12 +11,7 @@ from pipelinerl_sdk.reference import capabilities
 
 @hookimpl
 def register_backends(registry: BackendRegistry) -> None:
-    registry.register_inference_backend(
-        "reference",
-        "pipelinerl_sdk.reference.backend:ReferenceInferenceBackend",
-        capabilities.INFERENCE,
-        "torch + transformers, continuous batching with a KV cache; staged and direct receive",
-    )
+    capabilities.INFERENCE_CARD.register(registry)
     registry.register_trainer_backend(
         "reference",
         "pipelinerl_sdk.reference.trainer:ReferenceTrainer",

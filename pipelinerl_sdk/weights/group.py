@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_sdk.errors import DecisionTimeout, GroupError, UpdateAborted
-from pipelinerl_sdk.protocol import GroupBackend, parse_init_method
+from pipelinerl_sdk.protocol import GroupBackend, InitProcessGroupRequest, parse_init_method
 from pipelinerl_sdk.weights.auth import group_id, read_decision, sign_decision, store_name
 
 log = logging.getLogger("pipelinerl_sdk.weights.group")
@@ -58,6 +58,25 @@ class GroupConfig:
     def store_name(self) -> str:
         """The name the group's keys live under in the store (see ``auth.store_name``)."""
         return store_name(self.group_name, self.secret)
+
+    @classmethod
+    def joining(cls, req: InitProcessGroupRequest, rank: int) -> GroupConfig:
+        """The config of a server's worker joining, at ``rank`` (``req.rank_offset`` plus the
+        worker's index in its server), the group the ``/init_process_group`` body ``req`` names."""
+        return cls(req.init_method, rank, req.world_size, req.backend, req.group_name, req.timeout_s, req.group_secret)
+
+    def invitation(self, rank_offset: int) -> InitProcessGroupRequest:
+        """The ``/init_process_group`` body that invites a server whose workers take the ranks
+        from ``rank_offset`` on into this group (its inverse is :meth:`joining`)."""
+        return InitProcessGroupRequest(
+            init_method=self.init_method,
+            rank_offset=rank_offset,
+            world_size=self.world_size,
+            backend=self.backend,
+            group_name=self.group_name,
+            timeout_s=self.timeout_s,
+            group_secret=self.secret,
+        )
 
 
 def torch_group_store(store: Any, group_name: str, backend: GroupBackend) -> Any:

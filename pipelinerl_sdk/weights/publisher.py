@@ -140,20 +140,7 @@ class WeightPublisher:
         secret = new_group_secret()
         cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s, secret)
         own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, cfg))
-        joins = [
-            c.init_process_group(
-                InitProcessGroupRequest(
-                    init_method=init_method,
-                    rank_offset=off,
-                    world_size=world,
-                    backend=backend,
-                    group_name=group_name,
-                    timeout_s=self.timeout_s,
-                    group_secret=secret,
-                )
-            )
-            for c, off in zip(self.clients, offsets, strict=True)
-        ]
+        joins = [c.init_process_group(cfg.invitation(off)) for c, off in zip(self.clients, offsets, strict=True)]
         results = await asyncio.gather(*joins, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         errors += [

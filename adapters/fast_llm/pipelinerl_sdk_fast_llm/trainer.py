@@ -42,15 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipelinerl_sdk.contracts import (
-    Objective,
-    StepMetrics,
-    TokenBatch,
-    TrainerBackend,
-    TrainerSpec,
-    WeightSink,
-    lend,
-)
+from pipelinerl_sdk.contracts import Objective, StepMetrics, TokenBatch, TrainerBackend, TrainerSpec
+from pipelinerl_sdk.kit.trainer import FullParamsOut
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import spec_of
 from pipelinerl_sdk_fast_llm.capabilities import CAPABILITIES
@@ -84,7 +77,7 @@ class _StepLater:
         return False
 
 
-class FastLLMTrainer(TrainerBackend):
+class FastLLMTrainer(FullParamsOut, TrainerBackend):
     """One rank of a Fast-LLM trainer (see the module docstring for the contract)."""
 
     capabilities = CAPABILITIES
@@ -262,7 +255,7 @@ class FastLLMTrainer(TrainerBackend):
         self._spec = spec
         self._steps = 0
         self._zero_grads()
-        self._specs = [spec_of(name, t) for name, t in self._iter_hf()]
+        self._specs = [spec_of(name, t) for name, t in self.full_params()]
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -279,7 +272,7 @@ class FastLLMTrainer(TrainerBackend):
             g.zero_()
         self._has_grads = False
 
-    def _iter_hf(self) -> Any:
+    def full_params(self) -> Any:
         """(HF name, full tensor) one at a time, in Fast-LLM's stage order; a collective on every rank.
 
         What Fast-LLM's ``iter_checkpoint`` does (its HF converter, ``_convert_state_dict``, one
@@ -302,7 +295,7 @@ class FastLLMTrainer(TrainerBackend):
         if state:
             raise RuntimeError(f"Fast-LLM's converter left parameters unconverted: {sorted(state)[:5]}")
 
-    def _lendable(self, tensor: torch.Tensor) -> bool:
+    def lendable(self, tensor: torch.Tensor) -> bool:
         """A view of a weight buffer that only this stage uses (ZeRO-1/2): it stays unchanged until
         the next ``step`` and the restore after it. ZeRO-3 stages share buffers (restoring the next
         stage overwrites it) and converted tensors are fresh copies: those are sent."""
@@ -397,22 +390,8 @@ class FastLLMTrainer(TrainerBackend):
         self._steps += 1
         return StepMetrics(step=self._steps, grad_norm=float(metrics["grad_norm"]), lr=float(metrics["learning_rate"]))
 
-    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+    def check_ready(self) -> None:
         self._require()
-        with torch.no_grad():
-            for name, tensor in self._iter_hf():
-                if sink is None:
-                    continue
-                if self._lendable(tensor):
-                    lend(sink, name, tensor)
-                else:
-                    sink.send(name, tensor)
-
-    def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """Full parameters under HF names on every rank (a collective; for tests and checkpoints)."""
-        self._require()
-        with torch.no_grad():
-            return {name: t.detach().clone().cpu() for name, t in self._iter_hf()}
 
     def close(self) -> None:
         self._model = self._runner = self._optimizer = self._inference = self._loss = None

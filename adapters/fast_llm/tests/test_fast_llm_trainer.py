@@ -13,176 +13,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from pipelinerl_sdk.contracts import Objective, TokenBatch, TrainerSpec
-from pipelinerl_sdk.rl.grpo import GRPOObjective
-from pipelinerl_sdk.trainer_group import RankContext, run_ranks
+from pipelinerl_sdk.contracts import TrainerSpec
+from pipelinerl_sdk.testing.ranks import SEQS, Job, Run, check_steps_like_plain, max_diff, plain_adamw, train
+from pipelinerl_sdk.trainer_group import run_ranks
 
 pytestmark = pytest.mark.integration
 
 BACKEND = "fast-llm"
 TOL = 1e-6
-SEQS: list[list[int]] = [[1 + (7 * i + 3 * j) % 500 for j in range(5 + (i % 4) * 3)] for i in range(8)]
-STARTS: list[int] = [2 + i % 3 for i in range(8)]
-ADVANTAGES: list[float] = [1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, -0.75]
-#: Behaviour logprobs are the initial ones shifted by +-0.4 per token: importance weights e^{-+0.4}
-#: (0.67 and 1.49), far outside PPO's [0.8, 1.2], so a clipped loss would step differently.
-SHIFT = 0.4
-
-
-@dataclass(frozen=True)
-class NegCompletionLogprob:
-    """``-sum(completion logprobs) / n_total``: summed over ranks and micro-batches it is the
-    objective of the whole batch, whatever the split."""
-
-    n_total: int
-
-    def __call__(self, logprobs: Sequence[torch.Tensor], batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        total = sum(lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True))
-        assert isinstance(total, torch.Tensor)
-        return -total / self.n_total, {"tokens": float(sum(len(lp) for lp in logprobs))}
-
-
-class CollectSink:
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.order: list[str] = []
-
-    def send(self, name: str, tensor: torch.Tensor) -> None:
-        self.order.append(name)
-        self.tensors[name] = tensor.detach().clone()
-
-
-def behaviour_logprobs(initial: Sequence[torch.Tensor]) -> list[list[float]]:
-    """Per sequence, its completion tokens' initial logprobs shifted by +-SHIFT (alternating)."""
-    return [
-        [float(x) + (SHIFT if j % 2 else -SHIFT) for j, x in enumerate(lp[s - 1 :])]
-        for lp, s in zip(initial, STARTS, strict=True)
-    ]
-
-
-def full_batch(objective: str, initial: Sequence[torch.Tensor] | None) -> TokenBatch:
-    if objective == "grpo":
-        assert initial is not None
-        return TokenBatch(SEQS, STARTS, ADVANTAGES, behaviour_logprobs(initial))
-    return TokenBatch(SEQS, STARTS)
-
-
-def take(batch: TokenBatch, idx: Sequence[int]) -> TokenBatch:
-    return TokenBatch(
-        [batch.input_ids[i] for i in idx],
-        [batch.completion_start[i] for i in idx],
-        [batch.advantages[i] for i in idx] if batch.advantages else (),
-        [batch.behaviour_logprobs[i] for i in idx] if batch.behaviour_logprobs else (),
-    )
-
-
-def make_objective(objective: str) -> Objective:
-    return GRPOObjective(len(SEQS)) if objective == "grpo" else NegCompletionLogprob(len(SEQS))
-
-
-@dataclass(frozen=True)
-class Run:
-    spec: TrainerSpec
-    objective: str = "nll"
-    #: Rank 0 takes every sequence; the others get empty batches (they only join collectives).
-    all_on_rank0: bool = False
-
-
-@dataclass(frozen=True)
-class Job:
-    runs: tuple[Run, ...]
-    steps: int = 2
-    micro_batches: int = 2
-
-
-def _shard(ctx: RankContext, run: Run) -> list[int]:
-    if run.all_on_rank0:
-        return list(range(len(SEQS))) if ctx.is_main else []
-    return list(range(ctx.rank, len(SEQS), ctx.world_size))
-
-
-def train(ctx: RankContext, job: Job) -> list[dict[str, Any]]:
-    """Per run: init, gather, forward (initial), ``steps`` x (micro-batched backward, step), forward, gather."""
-    return [_train_one(ctx, job, run) for run in job.runs]
-
-
-def _train_one(ctx: RankContext, job: Job, run: Run) -> dict[str, Any]:
-    from pipelinerl_sdk.plugins import load_registry
-
-    trainer = load_registry().factory("trainer", BACKEND)()
-    trainer.init(run.spec)
-    out: dict[str, Any] = {"specs": [(p.name, p.dtype, tuple(p.shape)) for p in trainer.param_specs()]}
-    sink = CollectSink() if ctx.is_main else None
-    trainer.gather_and_broadcast(sink)
-    if sink is not None:
-        out["initial"], out["order"] = sink.tensors, sink.order
-    mine = _shard(ctx, run)
-    initial = trainer.forward(TokenBatch(SEQS, STARTS))  # every rank scores the whole batch
-    batch = full_batch(run.objective, initial)
-    objective = make_objective(run.objective)
-    out["metrics"], out["backward"] = [], []
-    for _ in range(job.steps):
-        for m in range(job.micro_batches):
-            out["backward"].append(trainer.backward(take(batch, mine[m :: job.micro_batches]), objective))
-        out["metrics"].append(trainer.step())
-    logprobs = trainer.forward(take(batch, mine))
-    out["logprobs"] = dict(zip(mine, logprobs, strict=True))
-    sink = CollectSink() if ctx.is_main else None
-    trainer.gather_and_broadcast(sink)
-    if sink is not None:
-        out["final"] = sink.tensors
-    trainer.close()
-    return out
-
-
-def plain_adamw(
-    model_dir: Path, spec: TrainerSpec, objective: str, steps: int
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain torch AdamW on the HF model, the whole batch in one backward."""
-    from pipelinerl_sdk.reference.tiny import load_model
-    from pipelinerl_sdk.reference.trainer import token_logprobs
-
-    model, tok = load_model(model_dir, dtype="float32")
-    model.train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=False
-    )
-    with torch.no_grad():
-        initial = token_logprobs(model, SEQS, tok.pad_token_id)
-    batch = full_batch(objective, initial)
-    norms = []
-    for _ in range(steps):
-        loss, _ = make_objective(objective)(token_logprobs(model, SEQS, tok.pad_token_id), batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        clip = spec.grad_clip if spec.grad_clip is not None else float("inf")
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), set(a) ^ set(b)
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def hf_logprobs(model_dir: Path, params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    from pipelinerl_sdk.reference.tiny import load_model
-    from pipelinerl_sdk.reference.trainer import token_logprobs
-
-    model, tok = load_model(model_dir, dtype="float32")
-    model.load_state_dict(params, strict=False)
-    with torch.no_grad():
-        return token_logprobs(model, SEQS, tok.pad_token_id)
 
 
 # lr 1e-5 and eps 1e-6 keep elements whose true gradient is ~0 (rounding noise) damped, so 1e-6 tests
@@ -196,14 +41,16 @@ def _spec(model: Path, **kw: Any) -> TrainerSpec:
 def runs(qwen2_model: Path, llama_model: Path) -> dict[str, dict[str, Any]]:
     qwen2, llama = _spec(qwen2_model), _spec(llama_model, grad_clip=None)
     grpo = _spec(qwen2_model, lr=1e-4, eps=1e-3)
-    one = run_ranks(1, train, Job((Run(qwen2), Run(llama), Run(grpo, "grpo"))), timeout_s=600)[0]
+    one = run_ranks(
+        1, train, Job((Run(BACKEND, qwen2), Run(BACKEND, llama), Run(BACKEND, grpo, "grpo"))), timeout_s=600
+    )[0]
     job = Job(
         (
-            Run(qwen2),
-            Run(replace(qwen2, dtype="bfloat16")),
-            Run(qwen2, all_on_rank0=True),
-            Run(replace(qwen2, options={"zero_stage": 3})),
-            Run(grpo, "grpo"),
+            Run(BACKEND, qwen2),
+            Run(BACKEND, replace(qwen2, dtype="bfloat16")),
+            Run(BACKEND, qwen2, all_on_rank0=True),
+            Run(BACKEND, replace(qwen2, options={"zero_stage": 3})),
+            Run(BACKEND, grpo, "grpo"),
         )
     )
     two = run_ranks(2, train, job, timeout_s=600)[0]
@@ -228,24 +75,14 @@ def test_steps_equal_plain_torch_adamw(
 ) -> None:
     model = llama_model if key == "llama" else qwen2_model
     spec = _spec(model, grad_clip=None) if key == "llama" else _spec(model)
-    want, norms = plain_adamw(model, spec, "nll", steps=2)
-    run = runs[key]
-    assert max_diff(run["final"], want) <= TOL
-    assert max(abs(m.grad_norm - n) for m, n in zip(run["metrics"], norms, strict=True)) <= 1e-5 * max(norms)
-    if spec.grad_clip is not None:
-        assert min(norms) > spec.grad_clip  # so clipping was exercised
-    assert [m.step for m in run["metrics"]] == [1, 2] and run["metrics"][0].lr == spec.lr
-    ref = hf_logprobs(model, want)  # forward after the steps
-    for i, lp in run["logprobs"].items():
-        assert lp.dtype == torch.float32 and lp.shape == (len(SEQS[i]) - 1,)
-        assert float((lp - ref[i]).abs().max()) <= 1e-5
+    check_steps_like_plain(runs[key], model, spec, TOL)
 
 
 @pytest.mark.parametrize("key", ["grpo", "grpo-2"])
 def test_grpo_objective_steps_like_plain_torch(runs: dict[str, dict[str, Any]], qwen2_model: Path, key: str) -> None:
     """Simplified GRPO (unclamped importance weights, summed over tokens, / number of sequences)
     through Fast-LLM's head: the same step as plain torch on the HF model, at world size 1 and 2."""
-    want, norms = plain_adamw(qwen2_model, _spec(qwen2_model, lr=1e-4, eps=1e-3), "grpo", steps=2)
+    want, norms = plain_adamw(qwen2_model, _spec(qwen2_model, lr=1e-4, eps=1e-3), steps=2, objective="grpo")
     run = runs[key]
     assert max_diff(run["final"], want) <= TOL
     assert max(abs(m.grad_norm - n) for m, n in zip(run["metrics"], norms, strict=True)) <= 1e-5 * max(norms)

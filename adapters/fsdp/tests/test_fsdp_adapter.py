@@ -7,9 +7,7 @@ world size 1; gathered names load strictly into the HF model; bf16 mixed precisi
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,134 +17,14 @@ pytest.importorskip("pipelinerl_sdk_fsdp", reason="adapters/fsdp is not installe
 
 import torch
 
-from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
-from pipelinerl_sdk.trainer_group import RankContext, run_ranks
+from pipelinerl_sdk.contracts import TrainerSpec
+from pipelinerl_sdk.testing.ranks import SEQS, Job, Run, check_steps_like_plain, max_diff, train
+from pipelinerl_sdk.trainer_group import run_ranks
 
 pytestmark = pytest.mark.integration
 
 BACKEND = "fsdp"
 TOL = 1e-6
-# Eight sequences of different lengths: prompt + completion token ids (vocab of the tiny model: 512).
-SEQS: list[list[int]] = [[1 + (7 * i + 3 * j) % 500 for j in range(5 + (i % 4) * 3)] for i in range(8)]
-STARTS: list[int] = [2 + i % 3 for i in range(8)]
-
-
-@dataclass(frozen=True)
-class NegCompletionLogprob:
-    """``-sum(completion logprobs) / n_total``: summed over ranks and micro-batches it is the
-    objective of the whole batch, whatever the split."""
-
-    n_total: int
-
-    def __call__(self, logprobs: Sequence[torch.Tensor], batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        total = sum(lp[s - 1 :].sum() for lp, s in zip(logprobs, batch.completion_start, strict=True))
-        assert isinstance(total, torch.Tensor)
-        return -total / self.n_total, {"tokens": float(sum(len(lp) for lp in logprobs))}
-
-
-class CollectSink:
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.order: list[str] = []
-
-    def send(self, name: str, tensor: torch.Tensor) -> None:
-        self.order.append(name)
-        self.tensors[name] = tensor.detach().clone()
-
-
-@dataclass(frozen=True)
-class Run:
-    backend: str
-    spec: TrainerSpec
-    #: Rank 0 takes every sequence; the others get empty batches (they only join collectives).
-    all_on_rank0: bool = False
-
-
-@dataclass(frozen=True)
-class Job:
-    #: Trained one after the other in the same processes: one spawn instead of several
-    #: (process start-up and imports dominate on 2 cores).
-    runs: tuple[Run, ...]
-    steps: int = 2
-    micro_batches: int = 2
-
-
-def _shard(ctx: RankContext, run: Run) -> list[int]:
-    if run.all_on_rank0:
-        return list(range(len(SEQS))) if ctx.is_main else []
-    return list(range(ctx.rank, len(SEQS), ctx.world_size))
-
-
-def _train(ctx: RankContext, job: Job) -> list[dict[str, Any]]:
-    """Per run: init, gather, ``steps`` x (micro-batched backward, step), forward, gather."""
-    return [_train_one(ctx, job, run) for run in job.runs]
-
-
-def _train_one(ctx: RankContext, job: Job, run: Run) -> dict[str, Any]:
-    from pipelinerl_sdk.plugins import load_registry
-
-    trainer = load_registry().factory("trainer", run.backend)()
-    t0 = time.perf_counter()
-    trainer.init(run.spec)
-    out: dict[str, Any] = {"init_s": time.perf_counter() - t0}
-    out["specs"] = [(p.name, p.dtype, tuple(p.shape)) for p in trainer.param_specs()]
-    sink = CollectSink() if ctx.is_main else None
-    trainer.gather_and_broadcast(sink)
-    if sink is not None:
-        out["initial"], out["order"] = sink.tensors, sink.order
-    mine = _shard(ctx, run)
-    objective = NegCompletionLogprob(len(SEQS))
-    out["metrics"] = []
-    for _ in range(job.steps):
-        for m in range(job.micro_batches):
-            part = mine[m :: job.micro_batches]
-            trainer.backward(TokenBatch([SEQS[i] for i in part], [STARTS[i] for i in part]), objective)
-        out["metrics"].append(trainer.step())
-    logprobs = trainer.forward(TokenBatch([SEQS[i] for i in mine], [STARTS[i] for i in mine]))
-    out["logprobs"] = dict(zip(mine, logprobs, strict=True))
-    sink = CollectSink() if ctx.is_main else None
-    trainer.gather_and_broadcast(sink)
-    if sink is not None:
-        out["final"] = sink.tensors
-    trainer.close()
-    return out
-
-
-_REFERENCE: dict[str, tuple[dict[str, torch.Tensor], list[float]]] = {}
-
-
-def _reference(model_dir: Path, spec: TrainerSpec, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain torch AdamW on the HF model, the whole batch in one backward (cached: read only)."""
-    key = repr((model_dir, spec, steps))
-    if key not in _REFERENCE:
-        _REFERENCE[key] = _plain_adamw(model_dir, spec, steps)
-    return _REFERENCE[key]
-
-
-def _plain_adamw(model_dir: Path, spec: TrainerSpec, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    from pipelinerl_sdk.hf import load_model, token_logprobs
-
-    model, tok = load_model(model_dir, dtype="float32")
-    model.train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=False
-    )
-    norms = []
-    for _ in range(steps):
-        lps = token_logprobs(model, SEQS, tok.pad_token_id)
-        loss, _ = NegCompletionLogprob(len(SEQS))(lps, TokenBatch(SEQS, STARTS))
-        loss.backward()  # type: ignore[no-untyped-call]
-        clip = spec.grad_clip if spec.grad_clip is not None else float("inf")
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b)
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +41,9 @@ def spec(conformance_model: Path) -> TrainerSpec:
 @pytest.fixture(scope="module")
 def runs(spec: TrainerSpec) -> dict[Any, dict[str, Any]]:
     bf16 = replace(spec, options={"mixed_precision": "bf16"})
-    (one,) = run_ranks(1, _train, Job((Run(BACKEND, spec),)), timeout_s=240)[0]
+    (one,) = run_ranks(1, train, Job((Run(BACKEND, spec),)), timeout_s=240)[0]
     job = Job((Run(BACKEND, spec), Run(BACKEND, bf16), Run(BACKEND, spec, all_on_rank0=True)))
-    two, two_bf16, uneven = run_ranks(2, _train, job, timeout_s=240)[0]
+    two, two_bf16, uneven = run_ranks(2, train, job, timeout_s=240)[0]
     return {1: one, 2: two, "bf16": two_bf16, "uneven": uneven}
 
 
@@ -177,38 +55,23 @@ def test_gathered_weights_equal_source(
 
     source = load_file(str(conformance_model / "model.safetensors"))
     got = runs[world_size]["initial"]
-    assert _max_diff(got, source) == 0.0
+    assert max_diff(got, source) == 0.0
     assert runs[world_size]["order"] == [n for n, _, _ in runs[world_size]["specs"]]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_steps_equal_plain_torch_adamw(runs: dict[Any, dict[str, Any]], spec: TrainerSpec, world_size: int) -> None:
-    from pipelinerl_sdk.hf import load_model, token_logprobs
-
-    want, norms = _reference(Path(spec.model), spec, steps=2)
-    run = runs[world_size]
-    assert _max_diff(run["final"], want) <= TOL
-    assert max(abs(m.grad_norm - n) for m, n in zip(run["metrics"], norms, strict=True)) <= 1e-5 * max(norms)
-    assert min(norms) > spec.grad_clip  # type: ignore[operator]  # so clipping was exercised
-    assert [m.step for m in run["metrics"]] == [1, 2] and run["metrics"][0].lr == spec.lr
-    # forward after the steps: rank 0's sequences equal the reference model's logprobs
-    model, tok = load_model(Path(spec.model), dtype="float32")
-    model.load_state_dict(want)
-    with torch.no_grad():
-        ref = token_logprobs(model, SEQS, tok.pad_token_id)
-    for i, lp in run["logprobs"].items():
-        assert lp.dtype == torch.float32 and lp.shape == (len(SEQS[i]) - 1,)
-        assert float((lp - ref[i]).abs().max()) <= 1e-5
+    check_steps_like_plain(runs[world_size], Path(spec.model), spec, TOL)
 
 
 def test_world_size_2_equals_world_size_1(runs: dict[Any, dict[str, Any]]) -> None:
-    assert _max_diff(runs[2]["final"], runs[1]["final"]) <= TOL
+    assert max_diff(runs[2]["final"], runs[1]["final"]) <= TOL
     assert runs[2]["specs"] == runs[1]["specs"]
 
 
 def test_rank_with_empty_batch_takes_part(runs: dict[Any, dict[str, Any]]) -> None:
     """Rank 1 has no sequences (its backward/forward only join the collectives): same result."""
-    assert _max_diff(runs["uneven"]["final"], runs[1]["final"]) <= TOL
+    assert max_diff(runs["uneven"]["final"], runs[1]["final"]) <= TOL
     assert len(runs["uneven"]["logprobs"]) == len(SEQS)
 
 
@@ -223,7 +86,7 @@ def test_gathered_names_load_strictly_into_hf_model(runs: dict[Any, dict[str, An
 def test_bf16_mixed_precision_trains(runs: dict[Any, dict[str, Any]]) -> None:
     out, fp32 = runs["bf16"], runs[2]
     assert all(t.dtype == torch.float32 for t in out["final"].values())  # fp32 master weights
-    assert _max_diff(out["final"], out["initial"]) > 1e-5  # it stepped
+    assert max_diff(out["final"], out["initial"]) > 1e-5  # it stepped
     # bf16 compute: the update points the way of the fp32 one (Adam moves every element by ~lr,
     # so compare directions, not a max difference)
     names = sorted(out["final"])

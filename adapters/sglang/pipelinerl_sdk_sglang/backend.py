@@ -54,26 +54,12 @@ from pipelinerl_sdk_sglang.engine import (
     launch_env,
     new_api_key,
 )
-from pipelinerl_sdk_sglang.plugin import CAPABILITIES
+from pipelinerl_sdk_sglang.plugin import CARD
 
 log = logging.getLogger("pipelinerl_sdk_sglang")
 
 #: Request fields SGLang's native sampling parameters have no counterpart for (a 400 naming them).
 UNSUPPORTED = {"logit_bias": "not served on SGLang (its native sampling parameters have no logit bias)"}
-
-OPTIONS = {
-    "context_length": "context length, prompt + completion (default 2048)",
-    "device": "cuda or cpu (default: cuda when torch sees a GPU)",
-    "tp": "tensor-parallel size (default 1)",
-    "max_total_tokens": "KV pool size in tokens on CPU (default 8192)",
-    "mem_fraction_static": "SGLang's static memory fraction (CPU default 0.05)",
-    "atomic": "1 (default): snapshot the weights before a multi-bucket update, restore on failure",
-    "startup_timeout_s": "seconds SGLang may take to start (default 600)",
-    "log_level": "SGLang's log level (default warning)",
-    "sglang_args": "extra sglang.launch_server arguments, space-separated",
-    "sglang_url": "attach to this running SGLang server instead of starting one (benchmarks; not stopped)",
-    "sglang_api_key": "the attached server's --api-key",
-}
 
 
 def _spans_to_versions(meta: dict[str, Any], n: int) -> list[int]:
@@ -87,16 +73,9 @@ def _spans_to_versions(meta: dict[str, Any], n: int) -> list[int]:
 
 class SGLangInferenceBackend(KitBackend):
     """``pipelinerl serve --backend sglang --model PATH [--dtype float32|bfloat16]``; options
-    (``--option k=v``): see :data:`OPTIONS`."""
+    (``--option k=v``): see the plugin's :data:`~pipelinerl_sdk_sglang.plugin.CARD`."""
 
-    backend_name = "sglang"
-    capabilities = CAPABILITIES
-    OPTIONS = OPTIONS
-    ENGINE = (
-        "sglang",
-        "SGLang 0.5.23 in this environment: pip install 'pipelinerl-sdk-sglang[gpu]' on a GPU host, "
-        "or run scripts/setup-sglang (CPU test harness)",
-    )
+    card = CARD
 
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
@@ -106,7 +85,6 @@ class SGLangInferenceBackend(KitBackend):
         self._device = self.opts.get("device", "")
         self._proc: SGLangProcess | None = None
         self._sgl: SGLangClient | None = None
-        self._tokenizer: Any = None
         #: The group's name inside SGLang and the store (``weights.auth.store_name``).
         self._engine_group = ""
         self._decisions: Any = None  # weights.group.DecisionBoard
@@ -126,14 +104,10 @@ class SGLangInferenceBackend(KitBackend):
     async def start(self) -> None:
         """Start SGLang, wait until it answers, run one generation (pays CPU kernel set-up)."""
         import torch
-        from transformers import AutoTokenizer
-
-        from pipelinerl_sdk.weights.tensors import hf_param_specs
 
         device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._device = device
-        self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        self.specs = hf_param_specs(self.config.model, self.config.dtype)
+        self.read_model_files()
         api_key = new_api_key()
         port = free_port()
         args = launch_args(
@@ -337,7 +311,7 @@ class SGLangInferenceBackend(KitBackend):
     # --- generation -------------------------------------------------------------------------------
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = await plan_chat(self._tokenizer, req, self._context, unsupported=UNSUPPORTED)
+        plan = await plan_chat(self.tokenizer, req, self._context, unsupported=UNSUPPORTED)
         if req.prompt_top:
             raise InvalidRequest(
                 "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
@@ -384,7 +358,7 @@ class SGLangInferenceBackend(KitBackend):
                     f"SGLang returned {len(raw)} prompt logprobs for {len(plan.prompt_ids)} prompt tokens"
                 )
             prompt_lps = prompt_entries(
-                self._tokenizer, plan.prompt_ids, [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
+                self.tokenizer, plan.prompt_ids, [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
             )
         return assemble_response(
             self.model_name,
@@ -406,7 +380,7 @@ class SGLangInferenceBackend(KitBackend):
         if reason == "abort":
             raise RuntimeError(f"SGLang aborted the request: {meta.get('finish_reason')}")
         return assemble_choice(
-            self._tokenizer,
+            self.tokenizer,
             index,
             req,
             text=str(out.get("text", "")),
@@ -418,4 +392,4 @@ class SGLangInferenceBackend(KitBackend):
         )
 
 
-__all__ = ["OPTIONS", "SGLangInferenceBackend"]
+__all__ = ["SGLangInferenceBackend"]

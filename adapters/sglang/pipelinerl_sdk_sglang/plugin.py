@@ -6,7 +6,9 @@ resolved only when ``pipelinerl serve --backend sglang`` creates the backend.
 
 from __future__ import annotations
 
-from pipelinerl_sdk.contracts import InferenceCapabilities
+from dataclasses import replace
+
+from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 
 #: What the adapter really does on SGLang 0.5.23 (checked by the conformance suite):
@@ -16,26 +18,36 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - gloo (CPU) and NCCL (GPU) groups, formed by SGLang's own ``init_weights_update_group``;
 #: - per-token versions are SGLang's own ``weight_versions`` spans;
 #: - prompt and top logprobs come from SGLang (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: raw logprobs).
-CAPABILITIES = InferenceCapabilities(
-    receive_modes=frozenset({"direct"}),
-    group_backends=frozenset({"gloo", "nccl"}),
-    in_flight_updates=True,
-    per_token_versions=True,
-    prompt_logprobs=True,
-    top_logprobs=True,
-    dtypes=frozenset({"float32", "bfloat16"}),
-    stop_strings=True,
-    penalties=True,
+CAPABILITIES = replace(full_capabilities("direct"), logit_bias=False)  # no logit bias in its sampling
+
+CARD = EngineCard(
+    "sglang",
+    "pipelinerl_sdk_sglang.backend:SGLangInferenceBackend",
+    CAPABILITIES,
+    "SGLang 0.5.23 server behind the SDK's routes (gateway process); updates via SGLang's "
+    "init_weights_update_group / update_weights_from_distributed (flattened buckets), pause in_place",
+    options={
+        "context_length": "context length, prompt + completion (default 2048)",
+        "device": "cuda or cpu (default: cuda when torch sees a GPU)",
+        "tp": "tensor-parallel size (default 1)",
+        "max_total_tokens": "KV pool size in tokens on CPU (default 8192)",
+        "mem_fraction_static": "SGLang's static memory fraction (CPU default 0.05)",
+        "atomic": "1 (default): snapshot the weights before a multi-bucket update, restore on failure",
+        "startup_timeout_s": "seconds SGLang may take to start (default 600)",
+        "log_level": "SGLang's log level (default warning)",
+        "sglang_args": "extra sglang.launch_server arguments, space-separated",
+        "sglang_url": "attach to this running SGLang server instead of starting one (benchmarks; not stopped)",
+        "sglang_api_key": "the attached server's --api-key",
+    },
+    engine=(
+        "sglang",
+        "SGLang 0.5.23 in this environment: pip install 'pipelinerl-sdk-sglang[gpu]' on a GPU host, "
+        "or run scripts/setup-sglang (CPU test harness)",
+    ),
+    bench_anchor="pipelinerl_sdk_sglang.anchor:native_update_anchor",  # SGLang's own update flow
 )
 
 
 @hookimpl
 def register_backends(registry: BackendRegistry) -> None:
-    registry.register_inference_backend(
-        "sglang",
-        "pipelinerl_sdk_sglang.backend:SGLangInferenceBackend",
-        CAPABILITIES,
-        "SGLang 0.5.23 server behind the SDK's routes (gateway process); updates via SGLang's "
-        "init_weights_update_group / update_weights_from_distributed (flattened buckets), pause in_place",
-        bench_anchor="pipelinerl_sdk_sglang.anchor:native_update_anchor",  # SGLang's own update flow
-    )
+    CARD.register(registry)

@@ -16,7 +16,6 @@ module is skipped with that reason. Checks:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,9 @@ import pytest
 import torch
 
 from pipelinerl_sdk.conformance.trainer import STEP_HPARAMS
-from pipelinerl_sdk.contracts import StepMetrics, TokenBatch, TrainerSpec
+from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
 from pipelinerl_sdk.rl.objectives import CompletionNLL
+from pipelinerl_sdk.testing.ranks import Job, Run, adamw_steps, max_diff, train
 from pipelinerl_sdk.trainer_group import RankContext, run_ranks
 
 HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
@@ -163,52 +163,6 @@ def test_unsupported_family_is_refused(tmp_path: Path) -> None:
 # --- steps vs the plain TorchTitan model --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Job:
-    specs: tuple[TrainerSpec, ...]
-    steps: int = 2
-    micro_batches: int = 2
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def send(self, name: str, tensor: torch.Tensor) -> None:
-        self.tensors[name] = tensor.detach().clone()
-
-
-def _train(ctx: RankContext, job: Job) -> list[dict[str, Any]]:
-    """Per spec (one spawn for all): init, gather, ``steps`` x (micro-batched backward, step), forward, gather."""
-    from pipelinerl_sdk.plugins import load_registry
-
-    results = []
-    for spec in job.specs:
-        trainer = load_registry().factory("trainer", "torchtitan")()
-        trainer.init(spec)
-        out: dict[str, Any] = {"specs": [(p.name, p.dtype, p.shape) for p in trainer.param_specs()]}
-        sink = _Sink() if ctx.is_main else None
-        trainer.gather_and_broadcast(sink)
-        out["initial"] = sink.tensors if sink is not None else None
-        mine = list(range(ctx.rank, len(SEQS), ctx.world_size))
-        metrics: list[StepMetrics] = []
-        for _ in range(job.steps):
-            for m in range(job.micro_batches):
-                part = mine[m :: job.micro_batches]
-                batch = TokenBatch([SEQS[i] for i in part], [STARTS[i] for i in part])
-                trainer.backward(batch, CompletionNLL(len(SEQS)))
-            metrics.append(trainer.step())
-        out["metrics"] = metrics
-        lps = trainer.forward(TokenBatch([SEQS[i] for i in mine], [STARTS[i] for i in mine]))
-        out["logprobs"] = dict(zip(mine, lps, strict=True))
-        sink = _Sink() if ctx.is_main else None
-        trainer.gather_and_broadcast(sink)
-        out["final"] = sink.tensors if sink is not None else None
-        trainer.close()
-        results.append(out)
-    return results
-
-
 def _plain_titan(spec: TrainerSpec, steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[torch.Tensor]]:
     """The same steps on the plain TorchTitan model: unsharded, fp32, loaded with the family's
     ``from_hf`` through ``load_state_dict`` (TorchTitan's own QKV merge hook), whole batch per step,
@@ -227,27 +181,16 @@ def _plain_titan(spec: TrainerSpec, steps: int) -> tuple[dict[str, torch.Tensor]
     params = {n for n, _ in model.named_parameters()}
     assert not result.unexpected_keys and not params & set(result.missing_keys), result
     model.train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=False
-    )
-    norms = []
-    for _ in range(steps):
-        loss, _ = CompletionNLL(len(SEQS))(titan_token_logprobs(model, SEQS, 0), TokenBatch(SEQS, STARTS))
-        loss.backward()  # type: ignore[no-untyped-call]
-        assert spec.grad_clip is not None
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=False)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    assert spec.grad_clip is not None
+
+    def loss() -> torch.Tensor:
+        return CompletionNLL(len(SEQS))(titan_token_logprobs(model, SEQS, 0), TokenBatch(SEQS, STARTS))[0]
+
+    norms = adamw_steps(list(model.parameters()), spec, steps, loss, foreach=False)
     with torch.no_grad():
         lps = [t.clone() for t in titan_token_logprobs(model, SEQS, 0)]
         hf = adapter.to_hf(model.state_dict())
     return {k: v.detach().clone() for k, v in hf.items()}, norms, lps
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -272,10 +215,10 @@ def specs(models: dict[str, Path]) -> dict[str, TrainerSpec]:
 
 @pytest.fixture(scope="module")
 def runs(specs: dict[str, TrainerSpec]) -> dict[Any, dict[str, Any]]:
-    job = Job(tuple(specs[a] for a in ARCHS))
-    ws1 = run_ranks(1, _train, job, timeout_s=600)[0]
+    job = Job(tuple(Run("torchtitan", specs[a]) for a in ARCHS), seqs=SEQS)
+    ws1 = run_ranks(1, train, job, timeout_s=600)[0]
     bf16 = replace(specs["qwen3"], options={"mixed_precision": "bf16"})
-    ws2 = run_ranks(2, _train, dataclasses.replace(job, specs=(*job.specs, bf16)), timeout_s=600)[0]
+    ws2 = run_ranks(2, train, replace(job, runs=(*job.runs, Run("torchtitan", bf16))), timeout_s=600)[0]
     out: dict[Any, dict[str, Any]] = {}
     for i, arch in enumerate(ARCHS):
         out[(arch, 1)], out[(arch, 2)] = ws1[i], ws2[i]
@@ -291,7 +234,7 @@ def test_init_gathers_the_checkpoint(
     from pipelinerl_sdk_torchtitan.trainer import read_hf_checkpoint
 
     got = runs[(arch, world_size)]["initial"]
-    assert _max_diff(got, read_hf_checkpoint(models[arch])) == 0.0
+    assert max_diff(got, read_hf_checkpoint(models[arch])) == 0.0
     assert list(got) == [n for n, _, _ in runs[(arch, world_size)]["specs"]]
 
 
@@ -302,9 +245,9 @@ def test_steps_equal_the_plain_torchtitan_model(
 ) -> None:
     want, norms, lps = _plain_titan(specs[arch], steps=2)
     run = runs[(arch, world_size)]
-    moved = _max_diff(want, runs[(arch, 1)]["initial"])
+    moved = max_diff(want, runs[(arch, 1)]["initial"])
     assert moved > 100 * TOL, f"the plain run moved params by only {moved}: vacuous"
-    assert _max_diff(run["final"], want) <= TOL
+    assert max_diff(run["final"], want) <= TOL
     assert max(abs(m.grad_norm - n) for m, n in zip(run["metrics"], norms, strict=True)) <= 1e-5 * max(norms)
     assert min(norms) > specs[arch].grad_clip  # type: ignore[operator]  # clipping was exercised
     assert [m.step for m in run["metrics"]] == [1, 2] and run["metrics"][0].lr == specs[arch].lr
@@ -408,7 +351,7 @@ def test_tensor_parallel_2_equals_world_size_1(tmp_path: Path) -> None:
     for out in tp:
         assert max(float((a - b).abs().max()) for a, b in zip(out["logprobs"], ref["logprobs"], strict=True)) <= 1e-4
         assert abs(out["norm"] - ref["norm"]) <= 1e-5 * ref["norm"]
-    assert _max_diff(tp[0]["params"], ref["params"]) <= PARAM_ATOL
+    assert max_diff(tp[0]["params"], ref["params"]) <= PARAM_ATOL
     tiny = build_tiny_model(tmp_path / "tiny-qwen3", arch="qwen3")
     with pytest.raises(Exception, match="must divide num_key_value_heads=1"):
         run_ranks(2, _tp_job, (tiny, 2), timeout_s=300)

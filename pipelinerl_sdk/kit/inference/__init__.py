@@ -1,5 +1,8 @@
 """The inference kit: what every inference adapter would otherwise write out again.
 
+- :class:`~.card.EngineCard`: what an engine declares once (name, capabilities, options, the
+  engine it needs), registered by its plugin and read by its backend class;
+  :func:`~.card.full_capabilities`;
 - :class:`~.backend.KitBackend`: identity, options, version and group bookkeeping
   (:class:`~.book.GroupBook`), the update template;
 - :func:`~.update.run_update` / :class:`~.update.UpdateSteps`: receive-and-apply in the
@@ -19,6 +22,7 @@ imports no torch and no engine; :mod:`~.serve` imports FastAPI.
 
 from pipelinerl_sdk.kit.inference.backend import KitBackend
 from pipelinerl_sdk.kit.inference.book import GroupBook
+from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 from pipelinerl_sdk.kit.inference.chat import (
     ChatPlan,
     assemble_choice,
@@ -32,6 +36,7 @@ from pipelinerl_sdk.kit.inference.update import UpdateSteps, local_steps, normal
 
 __all__ = [
     "ChatPlan",
+    "EngineCard",
     "GroupBook",
     "KitBackend",
     "PauseHandle",
@@ -39,6 +44,7 @@ __all__ = [
     "UpdateSteps",
     "assemble_choice",
     "assemble_response",
+    "full_capabilities",
     "local_steps",
     "normalise_update_error",
     "plan_chat",

@@ -1,17 +1,19 @@
-"""The engine-independent part of an inference backend: identity, options, version and group
-bookkeeping, the update template. An adapter subclasses :class:`KitBackend` and writes only
-what is specific to its engine."""
+"""The engine-independent part of an inference backend: identity (from its
+:class:`~pipelinerl_sdk.kit.inference.card.EngineCard`), options, version and group bookkeeping,
+the update template. An adapter subclasses :class:`KitBackend` and writes only what is specific
+to its engine."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError
 from pipelinerl_sdk.kit.inference.book import GroupBook
+from pipelinerl_sdk.kit.inference.card import EngineCard
 from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSpec, ReceiveMode, WeightUpdateRequest
 
@@ -19,11 +21,12 @@ from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSp
 class KitBackend(InferenceBackend):
     """An :class:`InferenceBackend` with everything but the engine done.
 
-    Subclasses set :attr:`backend_name` (the registered name), :attr:`OPTIONS` (``--option``
-    names and their help) and ``capabilities``, fill :attr:`specs` and :attr:`workers` (in the
-    constructor or ``start``), and implement ``start``/``stop``, ``init_process_group`` (join,
-    then :meth:`GroupBook.join <pipelinerl_sdk.kit.inference.book.GroupBook.join>`),
-    :meth:`update_steps`,
+    Subclasses set :attr:`card` (the :class:`~pipelinerl_sdk.kit.inference.card.EngineCard` their
+    plugin registers: name, ``capabilities``, ``--option`` names, the engine they need), fill
+    :attr:`specs`, :attr:`workers` and :attr:`tokenizer` (in the constructor or ``start``; an
+    engine that loads the model itself calls :meth:`read_model_files`), and implement
+    ``start``/``stop``, ``init_process_group`` (join, then :meth:`GroupBook.join
+    <pipelinerl_sdk.kit.inference.book.GroupBook.join>`), :meth:`update_steps`,
     ``probe_broadcast`` and ``chat_completion`` (with :mod:`pipelinerl_sdk.kit.inference.chat`).
 
     The constructor checks what every server refuses before loading anything: unknown options,
@@ -33,31 +36,32 @@ class KitBackend(InferenceBackend):
     :func:`~pipelinerl_sdk.kit.inference.update.run_update` (ordering, pause, abandon on failure,
     error normalisation, the report)."""
 
-    backend_name: ClassVar[str]
-    OPTIONS: ClassVar[Mapping[str, str]] = {}
-    #: ``(import name, what is needed and how to install it)`` of the engine, checked first: a
-    #: missing engine is a PluginError "the NAME backend needs ..." before anything loads.
-    ENGINE: ClassVar[tuple[str, str] | None] = None
+    card: ClassVar[EngineCard]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "card" in cls.__dict__:  # the class's capabilities are the registered ones
+            cls.capabilities = cls.card.capabilities
 
     def __init__(self, config: ServeConfig) -> None:
-        if self.ENGINE is not None and importlib.util.find_spec(self.ENGINE[0]) is None:
-            raise PluginError(f"the {self.backend_name} backend needs {self.ENGINE[1]}")
-        unknown = set(config.options) - set(self.OPTIONS)
+        card = self.card
+        if card.engine is not None and importlib.util.find_spec(card.engine[0]) is None:
+            raise PluginError(f"the {card.name} backend needs {card.engine[1]}")
+        unknown = set(config.options) - set(card.options)
         if unknown:
             raise ValueError(
-                f"unknown option(s) for the {self.backend_name} backend: {sorted(unknown)} "
-                f"(known: {sorted(self.OPTIONS)})"
+                f"unknown option(s) for the {card.name} backend: {sorted(unknown)} (known: {sorted(card.options)})"
             )
         if not Path(config.model, "config.json").is_file():
             raise FileNotFoundError(f"model: no HF model at {config.model!r} (config.json missing)")
         caps = self.capabilities
         if config.dtype not in caps.dtypes:
             raise ValueError(
-                f"dtype {config.dtype!r} not served by the {self.backend_name} backend (use {sorted(caps.dtypes)})"
+                f"dtype {config.dtype!r} not served by the {card.name} backend (use {sorted(caps.dtypes)})"
             )
         if config.receive_mode is not None and config.receive_mode not in caps.receive_modes:
             raise ValueError(
-                f"receive mode {config.receive_mode!r}: the {self.backend_name} backend receives "
+                f"receive mode {config.receive_mode!r}: the {card.name} backend receives "
                 f"{' or '.join(repr(m) for m in sorted(caps.receive_modes))} only"
             )
         self.config = config
@@ -67,6 +71,19 @@ class KitBackend(InferenceBackend):
         self.specs: list[ParamSpec] = []
         #: How many ranks this server contributes to the weight-update group.
         self.workers = 1
+        #: The model's HF tokenizer (:meth:`read_model_files`, or the adapter's own).
+        self.tokenizer: Any = None
+
+    def read_model_files(self) -> None:
+        """Fill :attr:`tokenizer` (HF ``AutoTokenizer`` of the model directory) and :attr:`specs`
+        (its params under HF names in the served dtype) without loading any weight: for an engine
+        that loads the model itself."""
+        from transformers import AutoTokenizer
+
+        from pipelinerl_sdk.weights.tensors import hf_param_specs
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.specs = hf_param_specs(self.config.model, self.config.dtype)
 
     def param_specs(self) -> list[ParamSpec]:
         return list(self.specs)
@@ -77,7 +94,7 @@ class KitBackend(InferenceBackend):
 
     @property
     def name(self) -> str:
-        return self.backend_name
+        return self.card.name
 
     @property
     def model_name(self) -> str:
@@ -105,7 +122,7 @@ class KitBackend(InferenceBackend):
         joins): the request asks what this server cannot do (400, not the group's 502)."""
         if req.backend == "nccl" and on_cpu:
             raise InvalidRequest(
-                f"backend 'nccl' needs CUDA; this {self.backend_name} server runs on CPU (use 'gloo')", field="backend"
+                f"backend 'nccl' needs CUDA; this {self.card.name} server runs on CPU (use 'gloo')", field="backend"
             )
 
     async def update_weights(
