@@ -316,6 +316,41 @@ def test_vllm_ignores_forged_decisions_and_refuses_non_finite_weights(
 
 
 @requires_vllm
+def test_vllm_serves_the_generation_api(vllm_server: ServerProcess) -> None:
+    """The vLLM-compatible surface on the vllm backend: PipelineRL's actor body (``logprobs: 1``,
+    ``include_stop_str_in_output``, ``skip_special_tokens: false``, ``top_k``,
+    ``chat_template_kwargs``) gives ``token_id:N`` tokens equal to the completion's ids; stop
+    token ids end at their first occurrence; prompt logprobs come in vLLM's shape; refusals are
+    400 naming ``param``."""
+    with httpx.Client(base_url=vllm_server.url, timeout=120) as http:
+        body: dict[str, Any] = {
+            "messages": PROMPT, "max_tokens": 16, "temperature": 0, "top_k": 50, "logprobs": 1,
+            "include_stop_str_in_output": True, "skip_special_tokens": False, "return_tokens_as_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True, "ignore_eos": True,
+        }  # fmt: skip
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        ids = [int(e["token"].split(":")[-1]) for e in choice["logprobs"]["content"]]
+        assert ids == choice["token_ids"] and len(ids) == 16
+        cut = http.post("/v1/chat/completions", json={**body, "stop_token_ids": [ids[3]]}).json()["choices"][0]
+        assert cut["token_ids"] == ids[: ids.index(ids[3]) + 1] and cut["finish_reason"] == "stop"
+        scored = http.post(
+            "/v1/chat/completions",
+            json={"messages": PROMPT, "max_tokens": 1, "prompt_logprobs": 1, "return_token_ids": True},
+        ).json()
+        prompt_ids, entries = scored["prompt_token_ids"], scored["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(prompt_ids)
+        for tid, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+            assert str(tid) in entry and {"logprob", "rank", "decoded_token"} <= set(entry[str(tid)])
+        for bad, param in (({"temperature": 5}, "temperature"), ({"stream": True}, "stream")):
+            r = http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = http.get("/v1/no-such-route")
+        assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+@requires_vllm
 def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model: Path) -> None:
     """The benchmark's anchor really is vLLM's own flow and really updates the weights: a reference
     trainer step published through /pause, /start_weight_update, /update_weights,
