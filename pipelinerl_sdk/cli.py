@@ -227,25 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a trainer host whose weight-update store this server may join (loopback always may)",
     )
     limits = ServeConfig(model="")
-    s.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help="bigger bodies get 413")
-    s.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=limits.max_queued_requests,
-        help="chat requests admitted at once; more get 429 with Retry-After",
-    )
-    s.add_argument(
-        "--max-tokens-in-flight",
-        type=int,
-        default=limits.max_tokens_in_flight,
-        help="completion tokens (n x max_tokens) admitted at once; more get 429 with Retry-After",
-    )
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=limits.shutdown_timeout_s,
-        help="seconds SIGTERM waits for running requests before aborting them",
-    )
+    for flag, kind, default, what in (
+        ("--max-body-bytes", int, limits.max_body_bytes, "request bodies past this get 413"),
+        ("--max-queued-requests", int, limits.max_queued_requests, "chat requests admitted at once; more get 429"),
+        ("--max-tokens-in-flight", int, limits.max_tokens_in_flight, "n x max_tokens admitted at once; more get 429"),
+        ("--shutdown-timeout", float, limits.shutdown_timeout_s, "seconds SIGTERM waits before aborting requests"),
+    ):
+        s.add_argument(flag, type=kind, default=default, help=what)
     s.add_argument(
         "--control-token-file",
         default=None,

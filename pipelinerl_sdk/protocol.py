@@ -195,6 +195,10 @@ class ServerInfo(WireModel):
     max_model_len: int | None = None
     #: The backend's declared capabilities (``InferenceCapabilities`` fields; sets as sorted lists).
     capabilities: dict[str, Any] = Field(default_factory=dict)
+    #: Chat requests, and their completion tokens (``n`` x budget), admitted now (the admission
+    #: limits bound both: past them, 429).
+    requests_in_flight: int = 0
+    tokens_in_flight: int = 0
 
 
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------

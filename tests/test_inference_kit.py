@@ -266,12 +266,7 @@ def test_an_engine_owned_app_is_served_with_the_contract_and_json_errors(tmp_pat
         assert info["pid"] == proc.pid and info["backend"] == "reference" and info["port"] > 0
         with httpx.Client(base_url=info["url"], timeout=60) as http:
             assert http.get("/engine/own").json() == {"engine": "own route"}
-            assert http.get("/health").json() == {
-                "status": "ok",
-                "version": 0,
-                "requests_in_flight": 0,
-                "tokens_in_flight": 0,
-            }
+            assert http.get("/health").json() == {"status": "ok", "version": 0}
             msgs = [{"role": "user", "content": "hi"}]
             ok = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0})
             assert ok.status_code == 200, ok.text

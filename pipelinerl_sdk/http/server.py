@@ -3,7 +3,7 @@
 Routes (control routes need ``Authorization: Bearer <control token>``; 401 without it, 403 with
 a wrong one; every token is checked before the body is read):
 
-- ``GET /health`` (open: status, weight version, and the chat requests and tokens admitted now);
+- ``GET /health`` (open: status and weight version only);
 - ``GET /info``, ``GET /openapi.json`` (read-only; the API key when one is set, or the control
   token);
 - ``POST /init_process_group`` (control);
@@ -286,12 +286,7 @@ def build_router(
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "version": backend.version,
-            "requests_in_flight": admission.requests,
-            "tokens_in_flight": admission.tokens,
-        }
+        return {"status": "ok", "version": backend.version}
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> JSONResponse:
@@ -311,6 +306,8 @@ def build_router(
             params=backend.param_specs(),
             max_model_len=backend.max_model_len,
             capabilities=capabilities_to_dict(backend.capabilities),
+            requests_in_flight=admission.requests,
+            tokens_in_flight=admission.tokens,
         )
 
     @router.post("/init_process_group")

@@ -26,7 +26,7 @@ from schemathesis.openapi import from_dict
 from pipelinerl_sdk.launch import ServerProcess
 
 pytestmark = pytest.mark.integration
-EXAMPLES = 40
+EXAMPLES = 25
 
 
 @pytest.fixture(scope="module")

@@ -131,8 +131,8 @@ def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> N
 
 
 async def in_flight(http: httpx.AsyncClient, n: int) -> None:
-    """Return once ``n`` chat requests are admitted (the server's /health counts them)."""
-    while (await http.get("/health")).json()["requests_in_flight"] < n:
+    """Return once ``n`` chat requests are admitted (the server's /info counts them)."""
+    while (await http.get("/info")).json()["requests_in_flight"] < n:
         await asyncio.sleep(0.01)
 
 
