@@ -7,7 +7,6 @@ discloses, where it lets a token holder send it, unbounded versions, NaN weights
 from __future__ import annotations
 
 import asyncio
-import datetime
 import math
 import os
 import signal
@@ -22,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
 from test_server_integration import publish, run
 
 from pipelinerl_sdk.conformance.inference import update_body
@@ -31,28 +29,12 @@ from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.testing.security import forge, outsider
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.receive import update_key
 
 pytestmark = pytest.mark.integration
 CHAT = {"messages": [{"role": "user", "content": "12+7="}], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
-
-
-def outsider(pub: WeightPublisher) -> Any:
-    """A client of the trainer's store, as anyone who reaches its port can open."""
-    assert pub.group is not None
-    host, port = parse_init_method(pub.group.config.init_method)
-    return dist.TCPStore(host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
-
-
-def forge(store: Any, key: str, value: str) -> list[str]:
-    """Write ``value`` as the decision on ``key`` under every name an outsider can find: the
-    default group name's, and every key prefix the store lists. Returns the names written."""
-    prefixes = {"pipelinerl-weights"} | {k.lstrip("/").split("/", 1)[0] for k in store.list_keys()}
-    names = sorted(f"{p}/sig/{key}" for p in prefixes if p)
-    for name in names:
-        store.set(name, value)
-    return names
 
 
 # --- 1. the store: bound where asked, decisions unforgeable ---------------------------------------

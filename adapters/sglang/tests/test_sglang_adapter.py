@@ -39,7 +39,7 @@ requires_sglang = pytest.mark.skipif(
     not (HAVE_SGLANG and HAVE_ADAPTER),
     reason="SGLang or the SGLang adapter is not installed here: run these tests in the env scripts/setup-sglang prints",
 )
-ADAPTER_DIR = Path(__file__).resolve().parents[1] / "adapters" / "sglang"
+ADAPTER_DIR = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")

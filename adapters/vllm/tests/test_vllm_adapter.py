@@ -39,7 +39,7 @@ requires_vllm = pytest.mark.skipif(
     not (HAVE_VLLM and HAVE_ADAPTER),
     reason="vLLM or the vLLM adapter is not installed here: run these tests in the env scripts/setup-vllm prints",
 )
-ADAPTER_DIR = Path(__file__).resolve().parents[1] / "adapters" / "vllm"
+ADAPTER_DIR = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -260,9 +260,8 @@ def test_vllm_ignores_forged_decisions_and_refuses_non_finite_weights(
     """Issue 15 on vLLM: an outsider's ``abort`` on the store does not stop an update (the signed
     ``go`` wins); weights holding NaN are refused naming the param, the old weights keep serving,
     the group stays healthy and the next update lands."""
-    from test_security import forge, outsider
-
     from pipelinerl_sdk.errors import FanOutError
+    from pipelinerl_sdk.testing.security import forge, outsider
 
     trainer = ReferenceTrainer()
     trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
@@ -458,7 +457,7 @@ def test_pipeline_runs_on_vllm_and_fsdp(tmp_path: Path) -> None:
     older than the lag bound."""
     import json
 
-    root = Path(__file__).resolve().parents[1]
+    root = ADAPTER_DIR.parents[1]
     out = tmp_path / "run"
     sets = [f"out_dir={out}", "progress=false", "plots=false", "max_steps=4", "reward_target=null"]
     cmd = [sys.executable, "-m", "pipelinerl_sdk.cli", "run", str(root / "examples" / "digit_successor_vllm_fsdp.toml")]
