@@ -381,6 +381,28 @@ class LateTags(ReferenceInferenceBackend):
         return report
 
 
+class _RetagLastStepEngine(ContinuousBatchingEngine):
+    def set_version(self, v: int) -> None:
+        if v != self.version:
+            for request in self._running:  # the bug: the last step's tokens take the new label
+                if request.versions:
+                    request.versions[-1] = v
+        super().set_version(v)
+
+
+class InFlightTags(ReferenceInferenceBackend):
+    """Tags the tokens of the last step before an update, computed by the old weights, with the
+    new version: one token per running sequence per update (an overlap scheduler that appends a
+    step's tokens only after launching the next step, and counts appended tokens when the version
+    moves: SGLang 0.5.23's with its overlap schedule on).
+
+    Caught by ``test_every_version_tag_is_true``: "a version tag lies"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _RetagLastStepEngine, version=0)
+
+
 class RefusesPastBatch(ReferenceInferenceBackend):
     """Refuses (503) a request whose sequences do not fit in the engine's batch beside the
     sequences it has already admitted, instead of queueing it (an admission counter with no
@@ -556,6 +578,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-length-for-stop": ("LengthForStop", INFERENCE),
     "broken-early-tags": ("EarlyTags", INFERENCE),
     "broken-late-tags": ("LateTags", INFERENCE),
+    "broken-in-flight-tags": ("InFlightTags", INFERENCE),
     "broken-refuses-past-batch": ("RefusesPastBatch", INFERENCE),
     "broken-api-key-opens-control": ("ApiKeyOpensControl", INFERENCE),
     "broken-token-prefix-opens-control": ("TokenPrefixOpensControl", INFERENCE),

@@ -147,6 +147,11 @@ EXPECTED: dict[str, Expectation] = {
         "test_every_version_tag_is_true",
         "a version tag lies",
     ),
+    "broken-in-flight-tags": Expectation(
+        "test_every_version_tag_is_true",
+        "test_every_version_tag_is_true",
+        "a version tag lies",
+    ),
     "broken-refuses-past-batch": Expectation(
         "test_more_sequences_than_the_batch_are_queued",
         "test_more_sequences_than_the_batch_are_queued",

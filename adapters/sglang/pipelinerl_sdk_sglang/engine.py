@@ -52,7 +52,12 @@ def launch_args(
     model: str, *, dtype: str, port: int, api_key: str, device: str, context_length: int, options: Mapping[str, str]
 ) -> list[str]:
     """``sglang.launch_server`` arguments: the model, a private port, version label ``0``, the
-    scheduler hooks, no prefix cache (a cached prefix would serve KV of older weights)."""
+    scheduler hooks, no prefix cache (a cached prefix would serve KV of older weights) and no
+    overlap scheduler: with it, SGLang 0.5.23 launches batch k+1 before it appends batch k's
+    tokens, so an in-place pause lands with one batch computed by the old weights but not yet
+    appended, and ``record_weight_version_change`` (which counts appended tokens) tags those
+    tokens, and a prefill then in flight, with the new version (measured: each such token's
+    logprob is the old weights' to 1e-6; the version-tag check fails on it)."""
     args = [
         "--model-path", model,
         "--served-model-name", model,
@@ -65,6 +70,7 @@ def launch_args(
         "--weight-version", "0",
         "--context-length", str(context_length),
         "--disable-radix-cache",
+        "--disable-overlap-schedule",
         "--log-level", options.get("log_level", "warning"),
         "--custom-weight-loader", *(scheduler_hooks.qualified(h) for h in scheduler_hooks.HOOKS),
     ]  # fmt: skip
