@@ -122,7 +122,7 @@ def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> N
 
         resp, stalls = run(body)
     print(f"\n/health during a 10 MB prompt: {len(stalls)} answers, longest {max(stalls) * 1000:.0f} ms")
-    assert resp.status_code == 400 and resp.json()["error"]["field"] == "messages"  # past the context
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"  # past the context
     assert len(stalls) >= 3, "the big request must still be processing while /health is asked"
     assert max(stalls) < 5.0, f"/health stalled {max(stalls):.1f} s behind one request"
 
@@ -256,14 +256,14 @@ def test_lone_surrogate_is_400_naming_the_message(server: Any) -> None:
         server.url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60
     )
     assert r.status_code == 400, r.text[:300]
-    assert r.json()["error"]["field"] == "messages.0.content"
+    assert r.json()["error"]["param"] == "messages.0.content"
 
 
 def test_rank_offset_past_world_size_is_400_before_joining(server: Any) -> None:
     body = {"init_method": "tcp://127.0.0.1:9", "rank_offset": 2, "world_size": 2, "group_secret": "ab" * 16}
     r = post(server, "/init_process_group", body)
     assert r.status_code == 400, r.text[:300]
-    assert r.json()["error"]["field"] == "rank_offset" and "world_size 2" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "rank_offset" and "world_size 2" in r.json()["error"]["message"]
 
 
 def test_probe_without_a_decision_is_408(tiny_model: Path) -> None:
