@@ -142,14 +142,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "weight-update":
         from pipelinerl_sdk.bench.weight_update import run_weight_update_bench
 
-        result: dict[str, Any] = run_weight_update_bench(
-            backend=args.backend,
-            model=args.model,
-            seconds=args.seconds,
-            updates=args.updates,
-            concurrency=args.concurrency,
-            bucket_mb=args.bucket_mb,
-        )
+        names = ("backend", "model", "seconds", "updates", "concurrency", "bucket_mb")
+        result: dict[str, Any] = run_weight_update_bench(**{name: getattr(args, name) for name in names})
     elif args.what == "gather":
         from pipelinerl_sdk.bench.gather import run_gather_bench
 

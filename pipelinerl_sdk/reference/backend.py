@@ -17,7 +17,14 @@ import torch
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps, local_steps
-from pipelinerl_sdk.kit.inference.chat import StopRule, assemble_choice, assemble_response, plan_chat, prompt_entries
+from pipelinerl_sdk.kit.inference.chat import (
+    StopRule,
+    assemble_choice,
+    assemble_response,
+    plan_chat,
+    prompt_entries,
+    sampling_args,
+)
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
@@ -108,15 +115,8 @@ class ReferenceInferenceBackend(KitBackend):
                     plan.prompt_ids,
                     SamplingParams(
                         max_tokens=plan.max_tokens,
-                        temperature=plan.temperature,
-                        top_p=plan.top_p,
-                        top_k=req.top_k or 0,
-                        min_p=req.min_p,
-                        presence_penalty=req.presence_penalty,
-                        frequency_penalty=req.frequency_penalty,
-                        repetition_penalty=req.repetition_penalty,
                         logit_bias=tuple((req.logit_bias or {}).items()),
-                        seed=None if req.seed is None else req.seed + i,
+                        **sampling_args(plan, req, i),
                         stop_token_ids=plan.stop_token_ids,
                         stop_check=rule.hit if plan.stop else None,
                         top_logprobs=plan.top,

@@ -552,15 +552,7 @@ class ContinuousBatchingEngine:
     def _record(self, request: _Request, logits: torch.Tensor, logp: torch.Tensor, version: int) -> None:
         """Sample ``request``'s next token from its fp32 ``logits`` row; record it, its logprob."""
         params = request.params
-        processed = process_logits(
-            logits,
-            prompt=request.prompt,
-            output=request.token_ids,
-            bias=request.bias,
-            repetition_penalty=params.repetition_penalty,
-            frequency_penalty=params.frequency_penalty,
-            presence_penalty=params.presence_penalty,
-        )
+        processed = process_logits(logits, request.prompt, request.token_ids, request.bias, params)
         token = self._sample(processed, params, request.generator)
         request.token_ids.append(token)
         request.logprobs.append(float(logp[token]))

@@ -10,21 +10,33 @@ top-p, and a draw. The reported logprobs are never these: they are the raw model
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 
+class Penalties(Protocol):
+    """The penalties of one request (the engine's ``SamplingParams`` has them)."""
+
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+
+
 def process_logits(
     logits: torch.Tensor,
-    *,
     prompt: Sequence[int],
     output: Sequence[int],
     bias: tuple[torch.Tensor, torch.Tensor] | None,
-    repetition_penalty: float,
-    frequency_penalty: float,
-    presence_penalty: float,
+    penalties: Penalties,
 ) -> torch.Tensor:
-    """``logits`` (one fp32 row) with the bias and penalties applied (a new tensor)."""
+    """``logits`` (one fp32 row) with ``bias`` (ids, values) and the ``penalties`` applied over
+    the ``prompt`` and ``output`` tokens (a new tensor)."""
+    repetition_penalty = penalties.repetition_penalty
+    frequency_penalty, presence_penalty = penalties.frequency_penalty, penalties.presence_penalty
     out = logits.clone()
     if bias is not None:
         ids, values = bias

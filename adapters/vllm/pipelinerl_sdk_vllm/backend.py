@@ -36,7 +36,13 @@ from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import (
+    assemble_choice,
+    assemble_response,
+    plan_chat,
+    sampling_args,
+    versions_from_spans,
+)
 from pipelinerl_sdk_vllm.plugin import CARD
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
@@ -217,15 +223,8 @@ class VLLMInferenceBackend(KitBackend):
         async def one(i: int) -> Any:
             params = SamplingParams(
                 n=1,
-                temperature=plan.temperature,
-                top_p=plan.top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
                 logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-                seed=None if req.seed is None else req.seed + i,
+                **sampling_args(plan, req, i),
                 max_tokens=plan.max_tokens,
                 stop=list(plan.stop) or None,
                 stop_token_ids=list(plan.stop_token_ids) or None,

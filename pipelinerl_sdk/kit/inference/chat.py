@@ -156,6 +156,22 @@ def prepare_chat(
     )
 
 
+def sampling_args(plan: ChatPlan, req: ChatCompletionRequest, i: int) -> dict[str, Any]:
+    """The sampling values of sample ``i`` of ``req`` under vLLM's names: ``temperature`` and
+    ``top_p`` as the plan computes with, ``top_k`` (0: off), ``min_p``, the three penalties and
+    ``seed`` (``seed + i``: the samples of one seeded request differ, and replay alike)."""
+    return {
+        "temperature": plan.temperature,
+        "top_p": plan.top_p,
+        "top_k": req.top_k or 0,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "seed": None if req.seed is None else req.seed + i,
+    }
+
+
 async def plan_chat(
     tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, unsupported: Mapping[str, str] = {}
 ) -> ChatPlan:
