@@ -178,6 +178,17 @@ class GroupState(WireModel):
     reason: str | None = None
 
 
+class WorkerState(WireModel):
+    """One engine worker of a server that runs several (``ServerInfo.workers``): its weight
+    version and state (``serving``, ``paused`` or ``dead``; ``reason`` says why it is dead)."""
+
+    index: int
+    version: int | None
+    state: Literal["serving", "paused", "dead"]
+    pid: int | None = None
+    reason: str | None = None
+
+
 class ServerInfo(WireModel):
     """``GET /info``: what a trainer checks before it broadcasts."""
 
@@ -194,6 +205,8 @@ class ServerInfo(WireModel):
     max_model_len: int | None = None
     #: The backend's declared capabilities (``InferenceCapabilities`` fields; sets as sorted lists).
     capabilities: dict[str, Any] = Field(default_factory=dict)
+    #: The server's engine workers, for a server that fronts several (``None``: not reported).
+    workers: list[WorkerState] | None = None
 
 
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------

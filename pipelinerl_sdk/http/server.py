@@ -237,6 +237,7 @@ def build_router(
             params=backend.param_specs(),
             max_model_len=backend.max_model_len,
             capabilities=capabilities_to_dict(backend.capabilities),
+            workers=backend.worker_states(),
         )
 
     @router.post("/init_process_group")
