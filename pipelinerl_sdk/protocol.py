@@ -180,12 +180,14 @@ class GroupState(WireModel):
 
 class WorkerState(WireModel):
     """One engine worker of a server that runs several (``ServerInfo.workers``): its weight
-    version and state (``serving``, ``paused`` or ``dead``; ``reason`` says why it is dead)."""
+    version and state (``serving``, ``paused`` or ``dead``; ``reason`` says why it is dead);
+    ``url``: the worker's own control endpoint, where the engine has one (loopback)."""
 
     index: int
     version: int | None
     state: Literal["serving", "paused", "dead"]
     pid: int | None = None
+    url: str | None = None
     reason: str | None = None
 
 

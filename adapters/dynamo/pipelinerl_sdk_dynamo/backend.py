@@ -59,8 +59,9 @@ OPTIONS = {
 }
 
 
-class WorkerError(GroupError):
-    """A worker route answered an error, or its process is gone."""
+class WorkerError(UpdateFailed):
+    """A worker route answered an error, or its process is gone. Not a GroupError: a worker that
+    refuses to arm leaves the group healthy; a dead worker breaks it through :meth:`group_state`."""
 
 
 def _version_label(v: str | None) -> int:
@@ -202,7 +203,9 @@ class DynamoInferenceBackend(KitBackend):
         for i in range(self.workers):
             proc = None if c is None or i >= len(c.workers) else c.workers[i]
             if proc is not None and proc.exited() is not None:
-                states.append(wire.WorkerState(index=i, version=None, state="dead", pid=proc.pid, reason=proc.death()))
+                states.append(
+                    wire.WorkerState(index=i, version=None, state="dead", pid=proc.pid, url=None, reason=proc.death())
+                )
             else:
                 states.append(
                     wire.WorkerState(
@@ -210,6 +213,7 @@ class DynamoInferenceBackend(KitBackend):
                         version=self._worker_versions[i],
                         state="paused" if self._paused[i] else "serving",
                         pid=None if proc is None else proc.pid,
+                        url=None if c is None or proc is None else c.worker_url(i),
                     )
                 )
         return states

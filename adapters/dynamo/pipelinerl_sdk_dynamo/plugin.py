@@ -37,4 +37,5 @@ def register_backends(registry: BackendRegistry) -> None:
         CAPABILITIES,
         "NVIDIA Dynamo 1.6: its frontend routes chat to N Dynamo vLLM workers (file discovery, loopback); "
         "updates reach every worker over its system port, one group, staged and direct receive",
+        bench_anchor="pipelinerl_sdk_dynamo.native_flow:FLOW",  # Dynamo's own RL flow over its worker routes
     )
