@@ -83,7 +83,10 @@ class DynamoNativeFlow:
 
             async def post(url: str, route: str, body: dict[str, Any]) -> None:
                 r = await http.post(f"{url}/engine/{route}", json=body)
-                answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                try:
+                    answer = r.json()  # Dynamo's system server answers JSON as text/plain
+                except ValueError:
+                    answer = {}
                 if r.status_code >= 400 or answer.get("status") != "ok":
                     msg = f"POST /engine/{route}: {r.status_code} {r.text[:500]}"
                     raise ServerError(url, msg, status=r.status_code)

@@ -281,8 +281,9 @@ class DynamoCluster:
 
     # --- stop -------------------------------------------------------------------------------------
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """End every process Dynamo started (frontend first), then remove the directory."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """End every process Dynamo started (frontend first; SIGKILL after ``grace_s``, within
+        the 20 s a launcher gives the server), then remove the directory."""
         procs = [*([self.frontend] if self.frontend is not None else []), *self.workers]
         for p in procs:
             if p.exited() is None:
