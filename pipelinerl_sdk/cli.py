@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=os.environ.get(ENV_API_KEY) or None,
         receive_mode=args.receive_mode,
         ready_file=args.ready_file,
-        options=_options(args.option),
+        options={**_options(args.option), **({"workers": str(args.workers)} if args.workers is not None else {})},
         trainer_hosts=tuple(args.allow_trainer_host),
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--receive-mode", choices=["direct", "staged"], default=None)
     s.add_argument("--ready-file", default=None, help="write {url, pid, port} here once serving")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    s.add_argument(
+        "--workers", type=int, default=None, help="engine workers, for a backend that runs several (--option workers=N)"
+    )
     s.add_argument(
         "--allow-trainer-host",
         action="append",

@@ -27,6 +27,7 @@ from pipelinerl_sdk.protocol import (
     ProbeBroadcastRequest,
     ReceiveMode,
     WeightUpdateRequest,
+    WorkerState,
 )
 
 if TYPE_CHECKING:
@@ -211,6 +212,11 @@ class InferenceBackend(ABC):
     @abstractmethod
     def param_specs(self) -> list[ParamSpec]:
         """The params an update must carry, under HF names, in the server's dtype."""
+
+    def worker_states(self) -> list[WorkerState] | None:
+        """``/info``'s ``workers``: one entry per engine worker of a server that fronts several
+        (a dead one reported as ``dead``, never dropped); the default reports none."""
+        return None
 
     @property
     def default_mode(self) -> ReceiveMode:

@@ -179,6 +179,19 @@ class GroupState(WireModel):
     reason: str | None = None
 
 
+class WorkerState(WireModel):
+    """One engine worker of a server that runs several (``ServerInfo.workers``): its weight
+    version and state (``serving``, ``paused`` or ``dead``; ``reason`` says why it is dead);
+    ``url``: the worker's own control endpoint, where the engine has one (loopback)."""
+
+    index: int
+    version: int | None
+    state: Literal["serving", "paused", "dead"]
+    pid: int | None = None
+    url: str | None = None
+    reason: str | None = None
+
+
 class ServerInfo(WireModel):
     """``GET /info``: what a trainer checks before it broadcasts."""
 
@@ -199,6 +212,8 @@ class ServerInfo(WireModel):
     #: limits bound both: past them, 429).
     requests_in_flight: int = 0
     tokens_in_flight: int = 0
+    #: The server's engine workers, for a server that fronts several (``None``: not reported).
+    workers: list[WorkerState] | None = None
 
 
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------

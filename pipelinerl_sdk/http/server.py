@@ -308,6 +308,7 @@ def build_router(
             capabilities=capabilities_to_dict(backend.capabilities),
             requests_in_flight=admission.requests,
             tokens_in_flight=admission.tokens,
+            workers=backend.worker_states(),
         )
 
     @router.post("/init_process_group")

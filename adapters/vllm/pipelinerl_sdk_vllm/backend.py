@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
-from pipelinerl_sdk.errors import GroupError, PluginError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.errors import GroupError, PluginError
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
     assemble_choice,
@@ -43,6 +43,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     sampling_args,
     versions_from_spans,
 )
+from pipelinerl_sdk_vllm.jobs import settled
 from pipelinerl_sdk_vllm.plugin import CARD
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
@@ -131,20 +132,10 @@ class VLLMInferenceBackend(KitBackend):
         ``received``, holds every byte); returns the slowest receive time. Raises UpdateAborted
         (called off), GroupError (a worker's receive failed or timed out: the group is broken),
         UpdateFailed (a worker lost the job)."""
-        done = {"received"} if received else {"receiving", "received"}
         while True:
-            statuses = list(await self._engine.collective_rpc("pipelinerl_status"))
-            jobs = [s.get("job") or {} for s in statuses]
-            broken = next((s["group_broken"] for s in statuses if s.get("group_broken")), None)
-            failed = [j for j in jobs if j.get("key") == key and j.get("state") == "failed"]
-            if failed:
-                if all(j.get("aborted") for j in failed):
-                    raise UpdateAborted(failed[0]["error"])
-                raise GroupError(broken or failed[0]["error"])
-            if all(j.get("key") == key and j.get("state") in done for j in jobs):
-                return max(float(j.get("receive_s", 0.0)) for j in jobs)
-            if any(j.get("key") != key for j in jobs):
-                raise UpdateFailed(f"a worker lost the receive job {key!r}: {jobs}")
+            waited = settled(list(await self._engine.collective_rpc("pipelinerl_status")), key, received=received)
+            if waited is not None:
+                return waited
             if time.monotonic() > deadline:
                 raise GroupError(f"receive of {key} did not finish in time")
             await asyncio.sleep(POLL_S)

@@ -474,3 +474,27 @@ def test_pipeline_runs_on_vllm_and_fsdp(tmp_path: Path) -> None:
     )
     assert all(r["grad_norm"] > 0 for r in rows)
     assert all(0 <= lag <= 2 for r in rows for lag in r["lags"])
+
+
+# --- the workers' receive status, read the same by the vLLM and Dynamo adapters ---------------------
+
+
+@pytest.mark.skipif(not HAVE_ADAPTER, reason="the vLLM adapter is not installed here")
+def test_settled_reads_every_workers_job() -> None:
+    from pipelinerl_sdk_vllm.jobs import settled
+
+    from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
+
+    def w(state: str, key: str = "update/3", **kw: Any) -> dict[str, Any]:
+        return {"job": {"key": key, "state": state, "receive_s": kw.pop("s", 0.0), **kw}, "group_broken": None}
+
+    assert settled([w("deciding"), w("receiving")], "update/3", received=False) is None
+    assert settled([w("receiving"), w("received")], "update/3", received=False) == 0.0
+    assert settled([w("received", s=0.2), w("receiving")], "update/3", received=True) is None
+    assert settled([w("received", s=0.2), w("received", s=0.5)], "update/3", received=True) == 0.5
+    with pytest.raises(UpdateAborted, match="called off"):
+        settled([w("failed", aborted=True, error="called off"), w("deciding")], "update/3", received=False)
+    with pytest.raises(GroupError, match="gloo timeout"):
+        settled([w("failed", aborted=False, error="gloo timeout"), w("received")], "update/3", received=True)
+    with pytest.raises(UpdateFailed, match="a Dynamo worker lost the receive job"):
+        settled([w("received"), w("received", key="update/2")], "update/3", received=True, engine="Dynamo")

@@ -1,0 +1,128 @@
+"""Dynamo's own documented RL weight-update flow, for ``pipelinerl bench weight-update --backend
+dynamo`` (the anchor, see :mod:`pipelinerl_sdk.bench.anchor`). Speaks HTTP to Dynamo's RL routes on
+every worker's system port (``/info``'s ``workers[].url``); imports neither Dynamo nor vLLM.
+
+Dynamo 1.6's RL flow, per worker, trainer side (``dynamo/vllm/handlers.py``: the update routes
+refuse unless the worker is paused):
+
+1. ``POST /engine/pause_generation {"mode": "keep"}``;
+2. ``POST /engine/update_weights_from_distributed {"engine_rpc": ...}`` which runs vLLM's
+   ``collective_rpc(engine_rpc, kwargs)`` and drops its answer: here ``start_weight_update``, then
+   ``update_weights`` with a *blocking* receive while the trainer broadcasts (the answer comes once
+   every byte arrived: the only receive these routes can drive), then ``finish_weight_update``
+   with ``weight_version`` (Dynamo's label);
+3. ``POST /engine/resume_generation``.
+
+On CPU the receive runs over the SDK's registered vLLM engine (``pipelinerl``, gloo), blocking on
+the worker's RPC thread as vLLM's built-in engines do. Every worker goes through each step
+together (the group's collectives need every rank). The SDK's own update differs in what the
+benchmark compares: it receives off the engine loop and pauses only for the apply (staged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pipelinerl_sdk.bench.anchor import NativeUpdate
+from pipelinerl_sdk.errors import ServerError
+from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.receive import update_key
+from pipelinerl_sdk.weights.send import WeightSender
+
+__all__ = ["FLOW", "DynamoNativeFlow"]
+
+
+@dataclass(frozen=True)
+class DynamoNativeFlow:
+    description: str = (
+        "Dynamo 1.6 RL routes on every worker: /engine/pause_generation {mode: keep}, "
+        "/engine/update_weights_from_distributed (start_weight_update, update_weights: blocking receive, "
+        "finish_weight_update + weight_version), /engine/resume_generation"
+    )
+    server_env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 120.0
+    buffers: dict[int, list[Any]] = field(default_factory=dict)
+
+    async def update(
+        self,
+        server_url: str,
+        publisher: WeightPublisher,
+        send: Callable[[WeightSender], None],
+        specs: Sequence[ParamSpec],
+        version: int,
+    ) -> NativeUpdate:
+        group = publisher.group
+        if group is None:
+            raise RuntimeError("the publisher is not connected: the native flow reuses its group")
+        client = next((c for c in publisher.clients if c.url == server_url.rstrip("/")), None)
+        if client is None:
+            raise RuntimeError(f"{server_url} is not one of the publisher's servers")
+        info = await client.info()
+        urls = [w.url for w in info.workers or [] if w.url]
+        if not urls or len(urls) != info.receiving_workers:
+            raise RuntimeError(f"{server_url}: /info does not list every worker's url: {info.workers}")
+        plan = BucketPlan.build(specs, publisher.bucket_bytes)
+        key = update_key(version)
+        update_info: dict[str, Any] = {
+            "op": "receive",
+            "version": version,
+            "params": [[p.name, p.dtype, list(p.shape)] for p in specs],
+            "bucket_bytes": publisher.bucket_bytes,
+            "timeout_s": self.timeout_s,
+            "blocking": True,
+        }
+        async with httpx.AsyncClient(timeout=self.timeout_s + 30) as http:
+
+            async def post(url: str, route: str, body: dict[str, Any]) -> None:
+                r = await http.post(f"{url}/engine/{route}", json=body)
+                try:
+                    answer = r.json()  # Dynamo's system server answers JSON as text/plain
+                except ValueError:
+                    answer = {}
+                if r.status_code >= 400 or answer.get("status") != "ok":
+                    msg = f"POST /engine/{route}: {r.status_code} {r.text[:500]}"
+                    raise ServerError(url, msg, status=r.status_code)
+
+            async def every(route: str, body: dict[str, Any]) -> None:
+                await asyncio.gather(*(post(u, route, body) for u in urls))
+
+            t0 = time.perf_counter()
+            await every("pause_generation", {"mode": "keep"})
+            paused = time.perf_counter()
+            distributed = "update_weights_from_distributed"
+            await every(distributed, {"engine_rpc": "start_weight_update", "reset_prefix_cache": False})
+            group.clear_decision(key)
+            group.post_decision(key, go=True)
+            try:
+                receiving = asyncio.create_task(
+                    every(distributed, {"engine_rpc": "update_weights", "update_info": update_info})
+                )
+                sender = WeightSender(group, plan, self.buffers.get(plan.max_bucket_bytes))
+
+                def broadcast() -> float:
+                    send(sender)
+                    seconds = sender.finish().seconds
+                    if sender.buffers is not None:
+                        self.buffers[plan.max_bucket_bytes] = sender.buffers
+                    return seconds
+
+                send_s = await asyncio.to_thread(broadcast)
+                await receiving
+            finally:
+                group.clear_decision(key)
+            await every(distributed, {"engine_rpc": "finish_weight_update", "weight_version": str(version)})
+            await every("resume_generation", {})
+            done = time.perf_counter()
+        return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s)
+
+
+#: The ``bench_anchor`` the dynamo backend registers.
+FLOW = DynamoNativeFlow()
