@@ -121,9 +121,11 @@ class UpdateCall:
 #: How long a new update call waits for the previous one's stream to end (normally well under
 #: a millisecond after its final event) so that it can reuse that connection.
 DRAIN_WAIT_S = 1.0
-#: Idle connections are dropped before uvicorn's default keep-alive (5 s, which vLLM and SGLang
-#: keep) closes them on the server side; reusing one at that moment reads a closed socket.
-KEEPALIVE_EXPIRY_S = 4.0
+#: Idle connections are dropped well before uvicorn's default keep-alive (5 s, which vLLM and
+#: SGLang keep) closes them on the server side; reusing one at that moment reads a closed socket
+#: (a ReadError with nothing answered). The margin covers a busy client or server event loop: at
+#: 4 s (1 s of margin) it was seen twice in a day on a loaded 2-core machine.
+KEEPALIVE_EXPIRY_S = 2.0
 #: New connections are retried this many times on a connect error (a refused or reset SYN).
 CONNECT_RETRIES = 2
 

@@ -19,7 +19,7 @@ from test_server_integration import publish, run, train_step
 from pipelinerl_sdk.conformance.common import PROMPT
 from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.conformance.versions import judge_tags
-from pipelinerl_sdk.http.client import InferenceClient
+from pipelinerl_sdk.http.client import KEEPALIVE_EXPIRY_S, InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import ChatCompletionResponse
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
@@ -48,7 +48,9 @@ def test_64_streams_under_20_updates_lose_nothing_and_every_tag_is_true(
     stalls: list[float] = []
 
     async def body() -> None:
-        limits = httpx.Limits(max_connections=STREAMS + 8, max_keepalive_connections=STREAMS + 8)
+        limits = httpx.Limits(  # idle connections dropped before the server's keep-alive closes them
+            max_connections=STREAMS + 8, max_keepalive_connections=STREAMS + 8, keepalive_expiry=KEEPALIVE_EXPIRY_S
+        )
         async with (
             InferenceClient(loaded.url, control_token=loaded.control_token) as client,
             httpx.AsyncClient(base_url=loaded.url, timeout=600, limits=limits) as http,

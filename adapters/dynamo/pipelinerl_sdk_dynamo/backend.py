@@ -37,6 +37,7 @@ from pipelinerl_sdk_vllm.jobs import settled
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed
+from pipelinerl_sdk.http.client import KEEPALIVE_EXPIRY_S
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat, versions_from_spans
 from pipelinerl_sdk_dynamo.plugin import CARD
@@ -121,7 +122,9 @@ class DynamoInferenceBackend(KitBackend):
                 else {},
             )
         )
-        self._http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=512))
+        self._http = httpx.AsyncClient(  # idle connections dropped before a server's keep-alive closes them
+            timeout=None, limits=httpx.Limits(max_connections=512, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        )
         t0 = time.perf_counter()
         try:
             self.cluster.start()

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from pipelinerl_sdk.errors import PipelineRLError, PluginError
+from pipelinerl_sdk.http.client import KEEPALIVE_EXPIRY_S
 from pipelinerl_sdk.launch import log_tail
 from pipelinerl_sdk_sglang import scheduler_hooks
 
@@ -171,7 +172,10 @@ class SGLangClient:
             base_url=url,
             headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # idle connections dropped before SGLang's uvicorn (5 s keep-alive) closes them
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S
+            ),
         )
 
     async def close(self) -> None:

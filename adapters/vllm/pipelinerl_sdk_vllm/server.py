@@ -121,7 +121,7 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http
 
-    from pipelinerl_sdk.kit.inference.serve import install_contract
+    from pipelinerl_sdk.kit.inference.serve import KEEP_ALIVE_S, install_contract
 
     async with build_async_engine_client(args) as engine:
         backend._engine = engine
@@ -139,7 +139,10 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
             port=port,
             log_level=args.uvicorn_log_level,
             access_log=False,
-            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            # vLLM's 5 s equals httpx's client default: a reused connection can meet its close
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+            if "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" in os.environ
+            else KEEP_ALIVE_S,
         )
         announce.cancel()
         await backend.stop()

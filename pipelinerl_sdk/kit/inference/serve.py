@@ -41,6 +41,12 @@ from pipelinerl_sdk.http.server import bind_socket, build_router, install_error_
 
 log = logging.getLogger("pipelinerl_sdk.serve")
 
+#: Seconds an idle keep-alive connection stays open on the server: well past the 5 s after which
+#: clients (httpx's default, the SDK's own 2 s) drop theirs, so a client never reuses a connection
+#: the server is closing at that moment (a ReadError with nothing answered). uvicorn's default, 5 s,
+#: equals httpx's: under load that race was seen.
+KEEP_ALIVE_S = 30
+
 #: Seconds past ``shutdown_timeout_s`` a SIGTERMed server may take to stop its backend before
 #: the process exits without waiting further.
 EXIT_MARGIN_S = 5.0
@@ -138,6 +144,7 @@ async def serve_app(app: FastAPI, backend: InferenceBackend, config: ServeConfig
         uvicorn.Config(
             app,
             log_level=os.environ.get("PIPELINERL_LOG_LEVEL", "warning"),
+            timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
         )
     )
