@@ -230,14 +230,18 @@ class DynamoInferenceBackend(KitBackend):
     async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         self.refuse_nccl_on_cpu(req, _cpu_build())
         self.book.leave()
-        info = req.model_dump(
-            include={"init_method", "world_size", "backend", "group_name", "timeout_s", "group_secret"}
-        )
+        body = req.model_dump(mode="json")
+        # the vLLM weight-transfer engine's init info (PipelineRLInitInfo): the request, with each
+        # worker's own rank offset (one vLLM worker per Dynamo worker)
         calls = [
-            self._call(i, "pipelinerl", {"op": "init", "init_info": {**info, "rank_offset": req.rank_offset + i}},
-                       timeout_s=req.timeout_s + 30)
+            self._call(
+                i,
+                "pipelinerl",
+                {"op": "init", "init_info": {"request": {**body, "rank_offset": req.rank_offset + i}}},
+                timeout_s=req.timeout_s + 30,
+            )
             for i in range(self.workers)
-        ]  # fmt: skip
+        ]
         try:
             await _gather_all(calls)
         except Exception as e:

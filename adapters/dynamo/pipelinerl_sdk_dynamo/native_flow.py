@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from pipelinerl_sdk.bench.anchor import NativeUpdate
+from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
-from pipelinerl_sdk.protocol import ParamSpec
-from pipelinerl_sdk.weights.buckets import BucketPlan
-from pipelinerl_sdk.weights.publisher import WeightPublisher
-from pipelinerl_sdk.weights.receive import update_key
-from pipelinerl_sdk.weights.send import WeightSender
 
 __all__ = ["FLOW", "DynamoNativeFlow"]
 
@@ -51,31 +45,19 @@ class DynamoNativeFlow:
     timeout_s: float = 120.0
     buffers: dict[int, list[Any]] = field(default_factory=dict)
 
-    async def update(
-        self,
-        server_url: str,
-        publisher: WeightPublisher,
-        send: Callable[[WeightSender], None],
-        specs: Sequence[ParamSpec],
-        version: int,
-    ) -> NativeUpdate:
-        group = publisher.group
-        if group is None:
-            raise RuntimeError("the publisher is not connected: the native flow reuses its group")
-        client = next((c for c in publisher.clients if c.url == server_url.rstrip("/")), None)
+    async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
+        client = next((c for c in target.publisher.clients if c.url == target.url.rstrip("/")), None)
         if client is None:
-            raise RuntimeError(f"{server_url} is not one of the publisher's servers")
+            raise RuntimeError(f"{target.url} is not one of the publisher's servers")
         info = await client.info()
         urls = [w.url for w in info.workers or [] if w.url]
         if not urls or len(urls) != info.receiving_workers:
-            raise RuntimeError(f"{server_url}: /info does not list every worker's url: {info.workers}")
-        plan = BucketPlan.build(specs, publisher.bucket_bytes)
-        key = update_key(version)
+            raise RuntimeError(f"{target.url}: /info does not list every worker's url: {info.workers}")
         update_info: dict[str, Any] = {
             "op": "receive",
             "version": version,
-            "params": [[p.name, p.dtype, list(p.shape)] for p in specs],
-            "bucket_bytes": publisher.bucket_bytes,
+            "params": [[p.name, p.dtype, list(p.shape)] for p in target.specs],
+            "bucket_bytes": target.publisher.bucket_bytes,
             "timeout_s": self.timeout_s,
             "blocking": True,
         }
@@ -99,25 +81,12 @@ class DynamoNativeFlow:
             paused = time.perf_counter()
             distributed = "update_weights_from_distributed"
             await every(distributed, {"engine_rpc": "start_weight_update", "reset_prefix_cache": False})
-            group.clear_decision(key)
-            group.post_decision(key, go=True)
-            try:
+            with target.go(version):
                 receiving = asyncio.create_task(
                     every(distributed, {"engine_rpc": "update_weights", "update_info": update_info})
                 )
-                sender = WeightSender(group, plan, self.buffers.get(plan.max_bucket_bytes))
-
-                def broadcast() -> float:
-                    send(sender)
-                    seconds = sender.finish().seconds
-                    if sender.buffers is not None:
-                        self.buffers[plan.max_bucket_bytes] = sender.buffers
-                    return seconds
-
-                send_s = await asyncio.to_thread(broadcast)
+                send_s = await asyncio.to_thread(target.broadcast, self.buffers)
                 await receiving
-            finally:
-                group.clear_decision(key)
             await every(distributed, {"engine_rpc": "finish_weight_update", "weight_version": str(version)})
             await every("resume_generation", {})
             done = time.perf_counter()

@@ -24,6 +24,7 @@ import httpx
 import psutil
 import pytest
 
+from pipelinerl_sdk.bench.anchor import FlowTarget
 from pipelinerl_sdk.conformance.cross import CrossCheckTests
 from pipelinerl_sdk.conformance.inference import InferenceContractTests
 from pipelinerl_sdk.conformance.stateful import StatefulContractTests
@@ -244,9 +245,8 @@ def test_native_flow_anchor_updates_every_worker(dynamo_server: ServerProcess, t
             ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
             trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), objective)
             trainer.step()
-            done = await flow.update(
-                dynamo_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs(), info.version + 1
-            )
+            target = FlowTarget(dynamo_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs())
+            done = await flow.update(target, info.version + 1)
             assert done.send_s > 0 and 0 < done.pause_s <= done.wall_s
             assert info.workers is not None
             async with httpx.AsyncClient(timeout=30) as http:
