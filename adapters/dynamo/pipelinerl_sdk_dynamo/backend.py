@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import httpx
-from pipelinerl_sdk_vllm.jobs import settled
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
@@ -252,6 +251,8 @@ class DynamoInferenceBackend(KitBackend):
         """Poll every worker until its job ``key`` has the trainer's ``go`` (or, with
         ``received``, holds every byte); returns the slowest receive time. UpdateAborted (called
         off), GroupError (a receive failed, a worker died), UpdateFailed (a worker lost the job)."""
+        from pipelinerl_sdk_vllm.jobs import settled  # the vLLM adapter: imported with the engine, not the plugin
+
         while True:
             waited = settled(await self._statuses(), key, received=received, engine="Dynamo")
             if waited is not None:
