@@ -38,7 +38,13 @@ from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError, UpdateFailed
 from pipelinerl_sdk.http.client import KEEPALIVE_EXPIRY_S
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
-from pipelinerl_sdk.kit.inference.chat import assemble_choice, assemble_response, plan_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import (
+    assemble_choice,
+    assemble_response,
+    plan_chat,
+    version_label,
+    versions_from_spans,
+)
 from pipelinerl_sdk_dynamo.plugin import CARD
 from pipelinerl_sdk_dynamo.processes import ClusterConfig, DynamoCluster
 
@@ -69,13 +75,6 @@ UNSUPPORTED = {
 class WorkerError(UpdateFailed):
     """A worker route answered an error, or its process is gone. Not a GroupError: a worker that
     refuses to arm leaves the group healthy; a dead worker breaks it through :meth:`group_state`."""
-
-
-def _version_label(v: str | None) -> int:
-    try:
-        return int(v) if v is not None else 0
-    except ValueError:
-        return 0  # vLLM's initial label is "default"
 
 
 class DynamoInferenceBackend(KitBackend):
@@ -400,7 +399,7 @@ class DynamoInferenceBackend(KitBackend):
             text=str((choice.get("message") or {}).get("content") or ""),
             token_ids=token_ids,
             versions=versions_from_spans(
-                ((_version_label(v), int(s), int(e)) for v, s, e in data["versions"] or []),
+                ((version_label(v), int(s), int(e)) for v, s, e in data["versions"] or []),
                 len(token_ids),
                 engine="vLLM (through Dynamo)",
             ),

@@ -41,6 +41,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     assemble_response,
     plan_chat,
     sampling_args,
+    version_label,
     versions_from_spans,
 )
 from pipelinerl_sdk_vllm.jobs import settled
@@ -50,13 +51,6 @@ log = logging.getLogger("pipelinerl_sdk_vllm")
 
 #: Seconds between two polls of the workers' receive status (a cheap RPC between engine steps).
 POLL_S = 0.01
-
-
-def _version_label(v: str | None) -> int:
-    try:
-        return int(v) if v is not None else 0
-    except ValueError:
-        return 0  # vLLM's initial label is "default"
 
 
 class VLLMInferenceBackend(KitBackend):
@@ -271,7 +265,7 @@ class VLLMInferenceBackend(KitBackend):
             text=str(c.text),
             token_ids=token_ids,
             versions=versions_from_spans(
-                ((_version_label(s.version), s.start, s.end) for s in c.weight_versions or []),
+                ((version_label(s.version), s.start, s.end) for s in c.weight_versions or []),
                 len(token_ids),
                 engine="vLLM",
             ),

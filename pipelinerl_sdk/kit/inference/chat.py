@@ -181,6 +181,15 @@ async def plan_chat(
     return await asyncio.to_thread(prepare_chat, tokenizer, req, max_model_len, unsupported=unsupported)
 
 
+def version_label(label: str | None) -> int:
+    """An engine's weight-version label as the contract's integer: a label that is not an
+    integer (vLLM names its initial weights ``"default"``), or none, is version 0."""
+    try:
+        return int(label) if label is not None else 0
+    except ValueError:
+        return 0
+
+
 def versions_from_spans(spans: Iterable[tuple[int, int, int]], n: int, *, engine: str) -> list[int]:
     """One weight version per completion token from an engine's ``(version, start, end)`` spans
     (end exclusive). Never guesses: RuntimeError unless the spans cover exactly ``n`` tokens (a
