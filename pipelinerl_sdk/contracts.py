@@ -11,14 +11,17 @@ Nothing here imports torch or an engine at run time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pipelinerl_sdk.errors import UpdateRejected
+from pipelinerl_sdk.errors import InvalidRequest, UpdateRejected
 from pipelinerl_sdk.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
     GroupBackend,
     GroupState,
     InitProcessGroupRequest,
@@ -57,6 +60,10 @@ class InferenceCapabilities:
     logit_bias: bool = False
     #: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` with vLLM's rules.
     penalties: bool = False
+    #: ``stream=true`` chat (server-sent events, :meth:`InferenceBackend.chat_completion_stream`).
+    streaming: bool = False
+    #: ``/v1/completions`` with the contract's extensions (:meth:`InferenceBackend.completion`).
+    completions: bool = False
 
     def __post_init__(self) -> None:
         if self.per_token_versions is not True:
@@ -261,6 +268,17 @@ class InferenceBackend(ABC):
 
     @abstractmethod
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse: ...
+
+    async def chat_completion_stream(self, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        """A ``stream=true`` chat, for a backend that declares ``streaming``: check and plan the
+        request here (raise InvalidRequest before anything is sent), then return the chunks.
+        Closing the iterator (the client left) must abort the work in the engine. The default
+        refuses (400 naming ``stream``)."""
+        raise InvalidRequest(f"stream: the {self.name} backend does not stream; send stream=false", field="stream")
+
+    async def completion(self, req: CompletionRequest) -> CompletionResponse:
+        """``/v1/completions``, for a backend that declares ``completions``; the default refuses."""
+        raise InvalidRequest(f"the {self.name} backend does not serve /v1/completions", field="prompt")
 
 
 @runtime_checkable

@@ -261,16 +261,24 @@ class ResponseFormat(BaseModel):
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI chat-completion request as vLLM 0.32 takes it. Unknown fields are ignored (as vLLM
-    does); a known field a backend cannot honour is a 400 naming it.
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields chat and completions requests share, as vLLM 0.32 takes them: the sampling
+    settings, the stop rule, the extensions. Unknown fields are ignored (as vLLM does); a known
+    field a backend cannot honour is a 400 naming it.
 
     vLLM's extensions: ``return_token_ids``, ``ignore_eos``, ``top_k`` (``None``, 0 or -1: off),
     ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
-    ``skip_special_tokens``, ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (every
-    logprob ``token`` is ``token_id:N``) and ``prompt_logprobs`` (``N``: each prompt token's
-    logprob given its prefix with the ``N`` best alternatives; ``true`` counts as 0).
-    Without ``max_tokens`` a request generates to the end of the context.
+    ``skip_special_tokens``, ``return_tokens_as_token_ids`` (every logprob ``token`` is
+    ``token_id:N``) and ``prompt_logprobs`` (``N``: each prompt token's logprob given its prefix
+    with the ``N`` best alternatives; ``true`` counts as 0).
 
     **Which logprobs** (``logprobs``, ``top_logprobs``, ``prompt_logprobs``): always the raw
     model's, ``log_softmax`` of the logits in float32, *before* temperature, penalties,
@@ -282,9 +290,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -295,28 +301,22 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     #: Extension (as in vLLM): generate exactly the token budget, ignoring end-of-sequence.
     ignore_eos: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
 
     @property
     def token_budget(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.max_tokens
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -330,6 +330,58 @@ class ChatCompletionRequest(BaseModel):
         if self.prompt_logprobs is None or self.prompt_logprobs is False:
             return None
         return 0 if self.prompt_logprobs is True else int(self.prompt_logprobs)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """OpenAI chat-completion request as vLLM 0.32 takes it (:class:`SamplingRequest`'s fields
+    and these). Without ``max_tokens`` a request generates to the end of the context. vLLM's
+    chat extension: ``chat_template_kwargs``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+#: A completions prompt: text, token ids, or a batch of either.
+Prompt = (
+    str
+    | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    """OpenAI completions request as vLLM 0.32 takes it (:class:`SamplingRequest`'s fields and
+    these): ``prompt`` text (tokenized with the model's special tokens, as vLLM), token ids
+    (token-in, token-out: nothing re-tokenised), or a batch of either (choice ``p * n + i`` is
+    sample ``i`` of prompt ``p``). ``max_tokens`` defaults to 16, as in vLLM; ``logprobs`` N
+    reports each token's logprob and its N best alternatives."""
+
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (one unless a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TopLogprob(WireModel):
@@ -420,6 +472,77 @@ class ChatCompletionResponse(WireModel):
             else:
                 raise ValueError("prompt_logprobs entries with alternatives need prompt_token_ids (return_token_ids)")
         return out
+
+
+class ChunkDelta(WireModel):
+    """What a stream chunk adds to a choice: the role (first chunk only) and text."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(WireModel):
+    """One choice's part of a stream chunk: the text released (``delta``), and for the tokens
+    this chunk carries their logprobs, ids (with ``return_token_ids``) and weight versions (one
+    per token, always). ``finish_reason`` is set on the choice's last content chunk."""
+
+    index: int
+    delta: ChunkDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionChunk(WireModel):
+    """One server-sent event of a streamed chat (vLLM 0.32's ``chat.completion.chunk``): first a
+    chunk with each choice's role (and ``prompt_token_ids`` with ``return_token_ids``), then
+    content chunks, then with ``stream_options.include_usage`` one with ``usage`` and no choices;
+    the stream ends with ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionLogprobs(WireModel):
+    """OpenAI's completions ``logprobs``: per token its text (``token_id:N`` with
+    ``return_tokens_as_token_ids``), raw logprob, best alternatives (text -> logprob) and
+    character offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(WireModel):
+    """One completion; vLLM's extensions ``token_ids``, ``prompt_token_ids`` (with
+    ``return_token_ids``), ``prompt_logprobs``; ours: ``weight_versions``, one per token."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"]
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    weight_versions: list[int]
+
+
+class CompletionResponse(WireModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
 
 
 class ErrorBody(WireModel):

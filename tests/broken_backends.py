@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ from pipelinerl_sdk.contracts import (
     validate_update_request,
 )
 from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.kit.inference.chat import ChatPlan
+from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 from pipelinerl_sdk.protocol import (
     ChatChoice,
@@ -560,6 +562,24 @@ class NotAtomicOnAbort(ReferenceInferenceBackend):
             raise
 
 
+class DropsAChunk(ReferenceInferenceBackend):
+    """Streams every sample but loses its second step (a relay that drops an event under load):
+    the non-streamed answer is right, the streamed one misses a token and its text.
+
+    Caught by ``test_streamed_deltas_add_up_to_the_non_streamed_text``: "streamed deltas add up
+    to"."""
+
+    def sample_steps(self, plan: ChatPlan, req: ChatCompletionRequest, i: int) -> AsyncIterator[TokenStep]:
+        async def dropping() -> AsyncIterator[TokenStep]:
+            k = 0
+            async for step in super(DropsAChunk, self).sample_steps(plan, req, i):
+                k += 1
+                if k != 2 or step.finish_reason is not None:  # the bug
+                    yield step
+
+        return dropping()
+
+
 #: Backend name -> (class name, capabilities); the standard checks catch each of these.
 CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-updates": ("IgnoresUpdates", INFERENCE),
@@ -585,6 +605,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-keeps-stop-string": ("KeepsStopString", INFERENCE),
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
+    "broken-drops-a-chunk": ("DropsAChunk", INFERENCE),
 }
 
 #: Broken backends no standard check catches yet.

@@ -72,7 +72,7 @@ def test_validation_error_is_bad_request_naming_param(client: openai.OpenAI, mod
     ("kw", "param"),
     [
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"stream": True}, "stream"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"chat_template_kwargs": {"tokenize": False}}}, "chat_template_kwargs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
         ({"top_logprobs": 2}, "top_logprobs"),

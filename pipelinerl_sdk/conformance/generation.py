@@ -9,6 +9,10 @@ the schema. Each is gated on the capability the backend declares.
   choice off it. Exact.
 - Penalties: on a greedy text that repeats a token, a frequency penalty lowers the count of its
   most repeated token. Exact.
+- ``streaming``: the chunks of a seeded sampled request (``n`` 2, logprobs, token ids) add up,
+  per choice, to the same request's non-streamed text, token ids, logprobs and weight versions,
+  with the finish reason on the last content chunk only. Exact (no tolerance): one token dropped
+  or sent twice is a failure.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pipelinerl_sdk.conformance.common import PROMPT, arun
 from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.http.client import InferenceClient
-from pipelinerl_sdk.protocol import ChatChoice
+from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionChunk
 
 #: Tokens of the greedy text the stop and penalty checks cut or count.
 TOKENS = 32
@@ -119,3 +123,59 @@ class GenerationChecks:
             )
 
         arun(body)
+
+    @pytest.mark.requires("streaming")
+    def test_streamed_deltas_add_up_to_the_non_streamed_text(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        """``stream=true``: a seeded sampled request (n 2, logprobs, token ids, usage) streamed
+        gives, per choice, the deltas whose concatenation is the non-streamed text, and token
+        ids, logprobs and weight versions (one per token) equal to the non-streamed ones; the
+        role comes first, the finish reason on the last content chunk, usage last. Exact."""
+        body = {
+            "messages": PROMPT,
+            "max_tokens": TOKENS,
+            "temperature": 1.0,
+            "seed": 5,
+            "n": 2,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
+
+        async def body_() -> None:
+            async with server_under_test.client() as client:
+                whole = await client.chat(body)
+                chunks = [c async for c in client.chat_stream({**body, "stream_options": {"include_usage": True}})]
+            check_stream(whole.choices, chunks)
+            assert chunks[-1].usage == whole.usage, f"usage chunk {chunks[-1].usage} != non-streamed {whole.usage}"
+
+        arun(body_)
+
+
+def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk]) -> None:
+    """AssertionError naming the first difference between ``chunks`` and the non-streamed
+    ``choices`` of the same request (the conformance check's comparison)."""
+    assert chunks and all(c.delta.role == "assistant" for c in chunks[0].choices), "the first chunk is not the role's"
+    for choice in choices:
+        mine = [c for ch in chunks[1:] for c in ch.choices if c.index == choice.index]
+        text = "".join(c.delta.content or "" for c in mine)
+        ids = [t for c in mine for t in c.token_ids or []]
+        versions = [v for c in mine for v in c.weight_versions]
+        lps = [t.logprob for c in mine for t in (c.logprobs.content if c.logprobs else [])]
+        want_lps = [t.logprob for t in choice.logprobs.content] if choice.logprobs else []
+        assert text == choice.message.content, (
+            f"choice {choice.index}: streamed deltas add up to {len(text)} characters {text!r}, the non-streamed "
+            f"text has {len(choice.message.content)}: {choice.message.content!r}"
+        )
+        assert ids == choice.token_ids, (
+            f"choice {choice.index}: streamed token ids ({len(ids)}) {ids} != non-streamed "
+            f"({len(choice.token_ids or [])}) {choice.token_ids}"
+        )
+        assert versions == choice.weight_versions, (
+            f"choice {choice.index}: streamed weight versions {versions} != non-streamed {choice.weight_versions}"
+        )
+        assert lps == want_lps, f"choice {choice.index}: streamed logprobs {lps} != non-streamed {want_lps}"
+        reasons = [c.finish_reason for c in mine]
+        assert reasons and reasons[-1] == choice.finish_reason and not any(reasons[:-1]), (
+            f"choice {choice.index}: finish reasons by chunk {reasons}, non-streamed {choice.finish_reason!r}"
+        )

@@ -15,7 +15,7 @@ from pipelinerl_sdk.contracts import (
     ServeConfig,
 )
 from pipelinerl_sdk.errors import Overloaded
-from pipelinerl_sdk.protocol import ChatCompletionRequest
+from pipelinerl_sdk.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +42,12 @@ class Limits:
 UNKNOWN_CONTEXT_BUDGET = 256
 
 
-def chat_cost(req: ChatCompletionRequest, default_budget: int) -> int:
+def chat_cost(req: ChatCompletionRequest | CompletionRequest, default_budget: int) -> int:
     """The completion tokens ``req`` may generate: ``n`` times its token budget (or
-    ``default_budget``, the room a request without one may fill, when it names none)."""
-    return req.n * (req.token_budget or default_budget)
+    ``default_budget``, the room a request without one may fill, when it names none), times
+    its prompts (a completions batch)."""
+    prompts = len(req.prompts()) if isinstance(req, CompletionRequest) else 1
+    return prompts * req.n * (req.token_budget or default_budget)
 
 
 class Admission:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
 
 from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     InitProcessGroupRequest,
@@ -237,6 +238,35 @@ class InferenceClient:
         return ChatCompletionResponse.model_validate(
             await self._call("POST", "/v1/chat/completions", control=False, body=body)
         )
+
+    async def chat_stream(self, req: ChatCompletionRequest | Mapping[str, Any]) -> AsyncIterator[ChatCompletionChunk]:
+        """A ``stream=true`` chat: its chunks as they come (server-sent events, up to
+        ``data: [DONE]``). ServerError with the server's message on a refusal, on an error
+        event in the stream, or on a stream that ends without ``[DONE]``."""
+        body = req.model_dump(mode="json", exclude_none=True) if isinstance(req, ChatCompletionRequest) else dict(req)
+        body["stream"] = True
+        if self._last_update is not None:
+            await self._last_update.settled()
+        path = "/v1/chat/completions"
+        try:
+            async with self._http.stream("POST", path, json=body, headers=self._api_headers()) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise ServerError(self.url, f"POST {path}: {_message(resp)}", status=resp.status_code)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        err = event["error"]
+                        raise ServerError(self.url, f"POST {path}: {err.get('message')}", status=err.get("code"))
+                    yield ChatCompletionChunk.model_validate(event)
+        except httpx.HTTPError as e:
+            raise ServerError(self.url, f"POST {path}: {_describe(e)}") from e
+        raise ServerError(self.url, f"POST {path}: the stream ended without data: [DONE]")
 
     async def aclose(self) -> None:
         await self._http.aclose()

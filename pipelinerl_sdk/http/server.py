@@ -12,7 +12,9 @@ a wrong one; every token is checked before the body is read):
   ``done`` or ``error``;
 - ``POST /probe_broadcast`` (control): one flat broadcast, for link checks and benchmarks;
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured; a missing or
-  wrong key is 401, as OpenAI answers).
+  wrong key is 401, as OpenAI answers); ``stream=true`` chat is server-sent events
+  (:class:`EventStream`) for a backend that declares ``streaming``, else a 400 naming ``stream``;
+  ``POST /v1/completions`` (the same key) for a backend that declares ``completions``, else 404.
 
 At most one control operation runs at a time; a second is refused with 409, never queued.
 
@@ -30,14 +32,17 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import ExitStack
 from pathlib import PurePath
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -58,6 +63,7 @@ from pipelinerl_sdk.errors import (
 from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     InitProcessGroupRequest,
     ProbeBroadcastRequest,
     ServerInfo,
@@ -278,6 +284,7 @@ def build_router(
         "/probe_broadcast": control,
         "/v1/models": openai,
         "/v1/chat/completions": openai,
+        "/v1/completions": openai,
     }
     slot = _ControlSlot()
     router = APIRouter(route_class=_guarded_route(guards, limits.max_body_bytes))
@@ -413,13 +420,47 @@ def build_router(
             ],
         }
 
+    async def chat_stream(req: ChatCompletionRequest) -> Response:
+        if not backend.capabilities.streaming:
+            raise InvalidRequest(
+                f"stream: the {backend.name} backend does not stream; send stream=false", field="stream"
+            )
+        held = ExitStack()
+        held.enter_context(admission.admit(chat_cost(req, backend.max_model_len or UNKNOWN_CONTEXT_BUDGET)))
+        try:
+            chunks = await backend.chat_completion_stream(req)
+        except BaseException:
+            held.close()
+            raise
+        return EventStream(_sse(chunks, served), release=held.close)
+
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         if req.model is not None and req.model not in (served, backend.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
+        if req.stream:
+            try:
+                return await chat_stream(req)
+            except PipelineRLError:
+                raise  # the table decides
+            except ValueError as e:  # an adapter's plain ValueError: the request, not the server
+                raise HTTPError(400, str(e)) from e
+        return await generate(req, request, backend.chat_completion)
+
+    @router.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        if req.model is not None and req.model not in (served, backend.model_name):
+            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
+        if not backend.capabilities.completions:
+            raise HTTPError(404, f"the {backend.name} backend does not serve /v1/completions", kind="not_found_error")
+        return await generate(req, request, backend.completion)
+
+    async def generate(req: Any, request: Request, call: Callable[[Any], Awaitable[Any]]) -> Response:
+        """``call(req)`` under admission, cancelled if the client disconnects first; its
+        response as JSON with the served model name."""
         try:
             with admission.admit(chat_cost(req, backend.max_model_len or UNKNOWN_CONTEXT_BUDGET)):
-                work = asyncio.ensure_future(backend.chat_completion(req))
+                work = asyncio.ensure_future(call(req))
                 gone = asyncio.ensure_future(_client_gone(request))
                 try:
                     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -429,7 +470,7 @@ def build_router(
                         work.cancel()
                         await asyncio.wait({work})
                 if work.cancelled():
-                    log.info("chat request cancelled: its client disconnected")
+                    log.info("%s request cancelled: its client disconnected", request.url.path)
                     return Response(status_code=499)  # nobody reads it
                 resp = work.result()
         except PipelineRLError:
@@ -439,6 +480,64 @@ def build_router(
         return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
     return router
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that end when the client leaves: the body stops being produced (its
+    iterator closed, which aborts the engine's work) as soon as the client disconnects, whatever
+    ASGI version the server speaks; ``release`` (the admission held) runs once it has ended."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], *, release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events, self.release = content, release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def produce() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    log.info("chat stream cancelled: its client disconnected")
+                    group.cancel_scope.cancel()
+
+                group.start_soon(produce)
+                group.start_soon(watch)
+        finally:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.events.aclose()
+            finally:
+                self.release()
+
+
+async def _sse(chunks: AsyncIterator[Any], model: str) -> AsyncGenerator[bytes, None]:
+    """``chunks`` as server-sent events (``model`` the served name), then ``data: [DONE]``; an
+    error after the first event is sent as an error event in OpenAI's shape (as vLLM does)."""
+    try:
+        async for chunk in chunks:
+            yield b"data: " + json.dumps({**chunk.model_dump(exclude_none=True), "model": model}).encode() + b"\n\n"
+    except PipelineRLError as e:
+        h = as_http_error(e)
+        yield _error_event(h.status, h.message, h.kind, h.field)
+    except ValueError as e:
+        yield _error_event(400, str(e), "invalid_request", None)
+    except Exception as e:
+        log.error("chat stream failed", exc_info=e)
+        yield _error_event(500, f"{type(e).__name__}: {e}", "internal_error", None)
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield b"data: [DONE]\n\n"
+
+
+def _error_event(status: int, message: str, kind: str, field: str | None) -> bytes:
+    body = {"error": {"message": message, "type": kind, "param": field, "code": status}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _line(event: UpdateEvent) -> bytes:

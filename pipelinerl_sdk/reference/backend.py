@@ -11,6 +11,7 @@ arrived, so a failed update leaves the old weights serving.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -18,6 +19,7 @@ from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps, local_steps
 from pipelinerl_sdk.kit.inference.chat import (
+    ChatPlan,
     StopRule,
     assemble_choice,
     assemble_response,
@@ -25,6 +27,8 @@ from pipelinerl_sdk.kit.inference.chat import (
     prompt_entries,
     sampling_args,
 )
+from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
+from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
@@ -105,28 +109,31 @@ class ReferenceInferenceBackend(KitBackend):
 
     # --- generation -----------------------------------------------------------------------------
 
+    def _sampling(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> SamplingParams:
+        """The engine's settings for sample ``i`` of ``req`` (prompt logprobs on the first)."""
+        prompt_top = req.prompt_top
+        return SamplingParams(
+            max_tokens=plan.max_tokens,
+            logit_bias=tuple((req.logit_bias or {}).items()),
+            **sampling_args(plan, req, i),
+            stop_token_ids=plan.stop_token_ids,
+            stop_check=StopRule(self.tokenizer, req).hit if plan.stop else None,
+            top_logprobs=plan.top,
+            prompt_logprobs=prompt_top is not None and i == 0,
+            prompt_top=prompt_top or 0,
+            ignore_eos=req.ignore_eos,
+        )
+
+    def sample_steps(self, plan: ChatPlan, req: wire.ChatCompletionRequest, i: int) -> AsyncIterator[TokenStep]:
+        return self.engine.stream(plan.prompt_ids, self._sampling(plan, req, i))
+
+    def ending_ids(self, req: wire.SamplingRequest) -> frozenset[int]:
+        return frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.engine.eos_token_ids)
+
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
         plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len)
-        rule = StopRule(self.tokenizer, req)
-        prompt_top = req.prompt_top
         results = await asyncio.gather(
-            *(
-                self.engine.generate(
-                    plan.prompt_ids,
-                    SamplingParams(
-                        max_tokens=plan.max_tokens,
-                        logit_bias=tuple((req.logit_bias or {}).items()),
-                        **sampling_args(plan, req, i),
-                        stop_token_ids=plan.stop_token_ids,
-                        stop_check=rule.hit if plan.stop else None,
-                        top_logprobs=plan.top,
-                        prompt_logprobs=prompt_top is not None and i == 0,
-                        prompt_top=prompt_top or 0,
-                        ignore_eos=req.ignore_eos,
-                    ),
-                )
-                for i in range(req.n)
-            )
+            *(self.engine.generate(plan.prompt_ids, self._sampling(plan, req, i)) for i in range(req.n))
         )
         first = results[0]
         return assemble_response(
@@ -145,8 +152,7 @@ class ReferenceInferenceBackend(KitBackend):
     def _choice(self, index: int, r: GenerationResult, req: wire.ChatCompletionRequest) -> wire.ChatChoice:
         """One choice; its text by vLLM's stop rule (:class:`StopRule`) over the engine's ids."""
         finish = r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "abort"
-        stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.engine.eos_token_ids)
-        text, stop_reason = StopRule(self.tokenizer, req).finish(r.token_ids, finish, stop_ids)  # type: ignore[arg-type]
+        text, stop_reason = StopRule(self.tokenizer, req).finish(r.token_ids, finish, self.ending_ids(req))  # type: ignore[arg-type]
         return assemble_choice(
             self.tokenizer,
             index,
@@ -158,4 +164,39 @@ class ReferenceInferenceBackend(KitBackend):
             logprobs=r.logprobs,
             top_logprobs=r.top_logprobs or None,
             stop_reason=stop_reason,
+        )
+
+    async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
+        plans = await plan_completion(self.tokenizer, req, self.engine.max_model_len)
+        n = req.n
+        results = await asyncio.gather(
+            *(self.engine.generate(plan.prompt_ids, self._sampling(plan, req, i)) for plan in plans for i in range(n))
+        )
+        choices = []
+        for k, r in enumerate(results):
+            plan, first = plans[k // n], results[k - k % n]
+            finish = r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "abort"
+            text, stop_reason = StopRule(self.tokenizer, req).finish(r.token_ids, finish, self.ending_ids(req))  # type: ignore[arg-type]
+            choices.append(
+                completion_choice(
+                    self.tokenizer,
+                    k,
+                    req,
+                    plan,
+                    text=text,
+                    token_ids=r.token_ids,
+                    versions=r.versions,
+                    finish_reason=finish,  # type: ignore[arg-type]
+                    logprobs=r.logprobs,
+                    top_logprobs=r.top_logprobs or None,
+                    stop_reason=stop_reason,
+                    prompt_logprobs=None
+                    if first.prompt_logprobs is None
+                    else prompt_entries(
+                        self.tokenizer, plan.prompt_ids, first.prompt_logprobs, first.prompt_ranks, first.prompt_tops
+                    ),
+                )
+            )
+        return assemble_completion(
+            self.model_name, plans, choices, completion_tokens=sum(len(r.token_ids) for r in results)
         )

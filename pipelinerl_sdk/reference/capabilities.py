@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipelinerl_sdk.contracts import TrainerCapabilities
 from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 
-INFERENCE = full_capabilities("direct", "staged")
+INFERENCE = replace(full_capabilities("direct", "staged"), streaming=True, completions=True)
 
 INFERENCE_CARD = EngineCard(
     "reference",

@@ -19,7 +19,7 @@ import asyncio
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from dataclasses import dataclass, field
 
@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from pipelinerl_sdk.errors import InvalidRequest
+from pipelinerl_sdk.kit.inference.chat import FinishReason
 from pipelinerl_sdk.kit.inference.gate import PauseHandle, StepGate
+from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.reference.sampling import process_logits, sample
 
 __all__ = [
@@ -155,6 +157,8 @@ class _Request:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
     cancelled: bool = False
     finish_reason: str | None = None
+    #: Streamed requests: set (on the event loop) after every token and when the request ends.
+    progress: asyncio.Event | None = None
 
     @property
     def cached_len(self) -> int:
@@ -278,6 +282,55 @@ class ContinuousBatchingEngine:
 
         Cancelling the awaiting task drops the request from the engine.
         """
+        request = self._submit(prompt_token_ids, params)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._cancel(request)
+            raise
+
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+        """:meth:`generate` token by token: the tokens produced since the last step (several
+        when the consumer is slower than the engine), the last step with the finish reason
+        (``"stop"``, ``"length"`` or ``"abort"``). ``ValueError`` on an invalid request here,
+        at the call; the request is queued when the iterator is first read. Closing the
+        iterator (or cancelling its consumer) drops the request from the engine."""
+        self._check(prompt_token_ids, params)
+        return self._follow(prompt_token_ids, params)
+
+    async def _follow(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+        request = self._submit(prompt_token_ids, params, streamed=True)
+        progress = request.progress
+        assert progress is not None
+        request.future.add_done_callback(lambda _: progress.set())
+        sent = 0
+        try:
+            while not request.future.done():
+                await progress.wait()
+                progress.clear()
+                n = len(request.top_logprobs)  # appended last of the four by _record
+                if n > sent and not request.future.done():
+                    yield self._step_of(request, sent, n, None)
+                    sent = n
+            result = request.future.result()
+            finish = result.finish_reason if result.finish_reason in ("stop", "length", "abort") else "abort"
+            yield self._step_of(request, sent, len(result.token_ids), finish)  # type: ignore[arg-type]
+        finally:
+            if not request.future.done():
+                self._cancel(request)
+
+    @staticmethod
+    def _step_of(request: _Request, start: int, end: int, finish: FinishReason | None) -> TokenStep:
+        return TokenStep(
+            request.token_ids[start:end],
+            request.logprobs[start:end],
+            request.versions[start:end],
+            request.top_logprobs[start:end] if request.params.top_logprobs else (),
+            finish,
+        )
+
+    def _check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints; ``ValueError`` (InvalidRequest naming the field) on an invalid request."""
         prompt = [int(t) for t in prompt_token_ids]
         params.validate(self._vocab_size)
         if not prompt:
@@ -288,6 +341,16 @@ class ContinuousBatchingEngine:
             )
         if min(prompt) < 0 or max(prompt) >= self._vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+        return prompt
+
+    def _cancel(self, request: _Request) -> None:
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify_all()
+
+    def _submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, streamed: bool = False) -> _Request:
+        """Check and queue a request (``ValueError`` on an invalid one)."""
+        prompt = self._check(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         generator: torch.Generator | None = None
         if params.seed is not None:
@@ -300,6 +363,7 @@ class ContinuousBatchingEngine:
             future=loop.create_future(),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids),
             generator=generator,
+            progress=asyncio.Event() if streamed else None,
         )
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=self._device)
@@ -311,13 +375,7 @@ class ContinuousBatchingEngine:
                 raise RuntimeError("engine is not running (call start(); stop() is final)")
             self._waiting.append(request)
             self._cond.notify_all()
-        try:
-            return await request.future
-        except asyncio.CancelledError:
-            with self._cond:
-                request.cancelled = True
-                self._cond.notify_all()
-            raise
+        return request
 
     def paused(self) -> AbstractAsyncContextManager[PauseHandle]:
         """Hold generation: entering waits until the loop is parked between iterations (no
@@ -567,6 +625,9 @@ class ContinuousBatchingEngine:
             request.finish_reason = "stop"
         elif len(request.token_ids) >= params.max_tokens or total >= self._max_model_len:
             request.finish_reason = "length"
+        if request.progress is not None and request.finish_reason is None:
+            with suppress(RuntimeError):  # the loop closed: nobody reads the stream any more
+                request.loop.call_soon_threadsafe(request.progress.set)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         """One token from the processed fp32 ``logits`` row (:func:`~.sampling.sample`);

@@ -6,7 +6,7 @@ to its engine."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -14,8 +14,18 @@ from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, UpdateReport
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError
 from pipelinerl_sdk.kit.inference.book import GroupBook
 from pipelinerl_sdk.kit.inference.card import EngineCard
+from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
+from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
 from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
-from pipelinerl_sdk.protocol import GroupState, InitProcessGroupRequest, ParamSpec, ReceiveMode, WeightUpdateRequest
+from pipelinerl_sdk.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    GroupState,
+    InitProcessGroupRequest,
+    ParamSpec,
+    ReceiveMode,
+    WeightUpdateRequest,
+)
 
 
 class KitBackend(InferenceBackend):
@@ -133,3 +143,27 @@ class KitBackend(InferenceBackend):
     def update_steps(self, req: WeightUpdateRequest, mode: ReceiveMode) -> UpdateSteps:
         """The engine's steps of the update to ``req.version`` (validated already)."""
         raise NotImplementedError(f"{type(self).__name__} must implement update_steps")
+
+    # --- streaming ------------------------------------------------------------------------------
+
+    async def chat_completion_stream(self, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        """Streamed chat from :meth:`sample_steps` (declare ``streaming`` in the card): the
+        request planned (400s raised here, before anything is sent), then the kit's chunks
+        (:func:`~pipelinerl_sdk.kit.inference.stream.chat_chunks`)."""
+        if self.max_model_len is None:
+            raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
+        plan = await plan_chat(self.tokenizer, req, self.max_model_len)
+        samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
+        return chat_chunks(self.tokenizer, self.model_name, req, plan, samples, self.ending_ids(req))
+
+    def sample_steps(self, plan: ChatPlan, req: ChatCompletionRequest, i: int) -> AsyncIterator[TokenStep]:
+        """Sample ``i`` of ``req`` as the engine produces it, ending with a step that carries
+        the finish reason; closing the iterator must abort the sample in the engine."""
+        raise NotImplementedError(f"{type(self).__name__} must implement sample_steps to stream")
+
+    def ending_ids(self, req: ChatCompletionRequest) -> frozenset[int]:
+        """The token ids that end a sample of ``req``: ``stop_token_ids``, and the tokenizer's
+        EOS unless ``ignore_eos`` (override where the engine stops on more)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        ends = frozenset(req.stop_token_ids or ())
+        return ends if req.ignore_eos or not isinstance(eos, int) else ends | {eos}

@@ -21,6 +21,7 @@ from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     PromptLogprob,
+    SamplingRequest,
     Usage,
 )
 
@@ -73,14 +74,15 @@ def check_text(req: ChatCompletionRequest) -> None:
 
 def refuse(req: ChatCompletionRequest, unsupported: Mapping[str, str]) -> None:
     """InvalidRequest naming the first field of ``unsupported`` (name -> why) the request sets
-    to other than its default, and for what no backend serves yet: streaming, a structured
-    ``response_format``, a ``tool_choice`` that forces a call."""
+    to other than its default, and for what no backend serves yet: prompt logprobs in a stream
+    (vLLM refuses them too), a structured ``response_format``, a ``tool_choice`` that forces a
+    call. Whether a backend streams at all is the router's check (capability ``streaming``)."""
     defaults = ChatCompletionRequest.model_fields
     for name, why in unsupported.items():
         if name in req.model_fields_set and getattr(req, name) != defaults[name].default:
             raise InvalidRequest(f"{name}: {why}", field=name)
-    if req.stream:
-        raise InvalidRequest("stream: streaming is not served yet; send stream=false", field="stream")
+    if req.stream and req.prompt_top is not None:
+        raise InvalidRequest("prompt_logprobs: not available with stream=true (as in vLLM)", field="prompt_logprobs")
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequest(
             f"response_format: type {req.response_format.type!r} (structured output) is not served; only 'text'",
@@ -156,7 +158,7 @@ def prepare_chat(
     )
 
 
-def sampling_args(plan: ChatPlan, req: ChatCompletionRequest, i: int) -> dict[str, Any]:
+def sampling_args(plan: ChatPlan, req: SamplingRequest, i: int) -> dict[str, Any]:
     """The sampling values of sample ``i`` of ``req`` under vLLM's names: ``temperature`` and
     ``top_p`` as the plan computes with, ``top_k`` (0: off), ``min_p``, the three penalties and
     ``seed`` (``seed + i``: the samples of one seeded request differ, and replay alike)."""
@@ -207,7 +209,7 @@ class StopRule:
     request's ``skip_special_tokens``) contains a stop string; the text ends before it (after it
     with ``include_stop_str_in_output``). The token that completed it stays in the token ids."""
 
-    def __init__(self, tokenizer: Any, req: ChatCompletionRequest) -> None:
+    def __init__(self, tokenizer: Any, req: SamplingRequest) -> None:
         self.tokenizer, self.stops = tokenizer, req.stop_strings
         self.skip_special, self.include = req.skip_special_tokens, req.include_stop_str_in_output
         self.stop_token_ids = frozenset(req.stop_token_ids or ())
@@ -232,7 +234,11 @@ class StopRule:
         if finish_reason == "stop" and ids and ids[-1] in stop_ids:
             text = self.decode(ids if self.include else ids[:-1])
             return text, ids[-1] if ids[-1] in self.stop_token_ids else None
-        text = self.decode(ids)
+        return self.cut(self.decode(ids))
+
+    def cut(self, text: str) -> tuple[str, str | None]:
+        """(``text`` cut at its earliest stop string, that stop string); ``(text, None)`` if
+        it holds none."""
         found = [(text.find(s), s) for s in self.stops if s in text]
         if not found:
             return text, None

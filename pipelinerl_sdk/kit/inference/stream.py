@@ -1,0 +1,178 @@
+"""Streamed chat, the same for every engine: an engine gives each sample's tokens as they come
+(:class:`TokenStep`), the kit turns them into vLLM 0.32's ``chat.completion.chunk`` events, with
+the request's stop strings honoured (text that may begin one is held back until it cannot) and
+every token's logprobs, id and weight version in the chunk that carries it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pipelinerl_sdk.kit.inference.chat import ChatPlan, FinishReason, StopRule
+from pipelinerl_sdk.logprobs import choice_logprobs
+from pipelinerl_sdk.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    ChunkDelta,
+    Usage,
+)
+
+__all__ = ["TextStream", "TokenStep", "chat_chunks", "held_back", "merge_samples"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStep:
+    """The tokens one sample produced since its last step (ids, raw logprobs, weight versions,
+    top alternatives ``(id, logprob)`` best first or empty), and on its last step the finish
+    reason (that step may carry no token). An engine's sample stream ends with such a step."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
+    top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()
+    finish_reason: FinishReason | None = None
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` must wait: the longest end that begins a stop
+    string (it may complete into one), or a trailing partial UTF-8 character (U+FFFD until its
+    last byte arrives), whichever is longer."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return max(n, len(text) - len(text.rstrip("\ufffd")))
+
+
+class TextStream:
+    """One sample's text as released so far. Every released text is a prefix of the text the
+    non-streamed request gives (:meth:`StopRule.finish` on the same ids): nothing past a stop
+    string, nothing that may still become one."""
+
+    def __init__(self, rule: StopRule, stop_ids: frozenset[int]) -> None:
+        self.rule, self.stop_ids = rule, stop_ids
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def step(self, step: TokenStep) -> tuple[str, str | int | None]:
+        """(the text ``step`` releases, the stop reason once finished)."""
+        self.ids.extend(int(t) for t in step.token_ids)
+        stop_reason: str | int | None = None
+        if step.finish_reason is not None:
+            visible, stop_reason = self.rule.finish(self.ids, step.finish_reason, self.stop_ids)
+        else:
+            text = self.rule.decode(self.ids)
+            visible, hit = self.rule.cut(text)
+            if hit is None:
+                visible = text[: len(text) - held_back(text, self.rule.stops)]
+        if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
+            return "", stop_reason  # nothing new (text already sent is never taken back)
+        delta, self.sent = visible[len(self.sent) :], visible
+        return delta, stop_reason
+
+
+async def merge_samples(samples: Sequence[AsyncIterator[TokenStep]]) -> AsyncIterator[tuple[int, TokenStep]]:
+    """The steps of every sample, ``(sample index, step)``, in the order they come. Closing the
+    merged iterator (or an error in one sample) cancels every sample still running."""
+    if len(samples) == 1:
+        async for s in samples[0]:
+            yield 0, s
+        return
+    queue: asyncio.Queue[tuple[int, TokenStep | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[TokenStep]) -> None:
+        try:
+            async for s in it:
+                queue.put_nowait((i, s))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        else:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(samples)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def chat_chunks(
+    tokenizer: object,
+    model: str,
+    req: ChatCompletionRequest,
+    plan: ChatPlan,
+    samples: Sequence[AsyncIterator[TokenStep]],
+    stop_ids: frozenset[int],
+) -> AsyncIterator[ChatCompletionChunk]:
+    """The chunks of a streamed chat from its ``req.n`` ``samples``: each choice's role first
+    (``prompt_token_ids`` with ``return_token_ids``), then one chunk per step of a sample, the
+    text it releases (:class:`TextStream`; ``stop_ids``: the ids that end a sample, for its
+    text), its tokens' logprobs (if asked), ids (if asked) and weight versions, the finish
+    reason on its last; with ``stream_options.include_usage`` a last chunk with the usage.
+    RuntimeError when a sample ends without a finish reason or reports a version per token
+    other than one."""
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[ChunkChoice], **kw: object) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, **kw)  # type: ignore[arg-type]
+
+    yield chunk(
+        [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(len(samples))],
+        prompt_token_ids=list(plan.prompt_ids) if req.return_token_ids else None,
+    )
+    texts = [TextStream(StopRule(tokenizer, req), stop_ids) for _ in samples]
+    finished = [False] * len(samples)
+    completion_tokens = 0
+    async for i, step in merge_samples(samples):
+        if len(step.versions) != len(step.token_ids):
+            raise RuntimeError(f"sample {i}: {len(step.versions)} weight versions for {len(step.token_ids)} tokens")
+        delta, stop_reason = texts[i].step(step)
+        completion_tokens += len(step.token_ids)
+        finished[i] = step.finish_reason is not None
+        yield chunk(
+            [
+                ChunkChoice(
+                    index=i,
+                    delta=ChunkDelta(content=delta),
+                    logprobs=choice_logprobs(
+                        tokenizer,
+                        step.token_ids,
+                        step.logprobs,
+                        step.top_logprobs if plan.top else None,
+                        as_ids=req.return_tokens_as_token_ids,
+                    )
+                    if req.logprobs
+                    else None,
+                    finish_reason=step.finish_reason,
+                    stop_reason=stop_reason,
+                    token_ids=list(step.token_ids) if req.return_token_ids else None,
+                    weight_versions=list(step.versions),
+                )
+            ]
+        )
+    if not all(finished):
+        raise RuntimeError(f"samples {[i for i, f in enumerate(finished) if not f]} ended without a finish reason")
+    if req.stream_options is not None and req.stream_options.include_usage:
+        prompt = len(plan.prompt_ids)
+        yield chunk(
+            [],
+            usage=Usage(
+                prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens
+            ),
+        )

@@ -1,0 +1,211 @@
+"""Streamed chat (server-sent events) as vLLM 0.32 sends it, driven by the official ``openai``
+client against a real reference server: the chunks of a seeded request add up to the
+non-streamed request's text, token ids, logprobs and weight versions; stop strings hold; usage
+comes last; a client that leaves frees its admission; a stream past the admission limits is a
+429 before any event. The text release rule (:class:`TextStream`) is checked on its own with
+hypothesis against the non-streamed rule."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelinerl_sdk.kit.inference.chat import StopRule
+from pipelinerl_sdk.kit.inference.stream import TextStream, TokenStep, held_back
+from pipelinerl_sdk.launch import ServerProcess
+from pipelinerl_sdk.protocol import ChatCompletionRequest
+
+API_KEY = "sk-test-stream"
+MESSAGES: list[Any] = [{"role": "user", "content": "Tell me about fish."}]
+
+
+# --- the release rule, without a server ------------------------------------------------------------
+
+
+class CharTokenizer:
+    """A tokenizer whose token ``i`` is the character ``ALPHABET[i]``: decode is exact."""
+
+    ALPHABET = "ab c.\n"
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.ALPHABET[i] for i in ids)
+
+
+def test_held_back_keeps_what_may_begin_a_stop_string() -> None:
+    assert held_back("hello wo", ["world"]) == 2
+    assert held_back("hello", ["world"]) == 0
+    assert held_back("abc\ufffd", []) == 1
+    assert held_back("xab", ["abab", "b"]) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, len(CharTokenizer.ALPHABET) - 1), min_size=1, max_size=30),
+    stops=st.lists(st.text(alphabet=CharTokenizer.ALPHABET, min_size=1, max_size=3), max_size=3),
+    include=st.booleans(),
+    cuts=st.lists(st.integers(1, 4), min_size=1, max_size=30),
+)
+def test_streamed_text_adds_up_to_the_non_streamed_text(
+    ids: list[int], stops: list[str], include: bool, cuts: list[int]
+) -> None:
+    """However the tokens are grouped into steps, the released deltas concatenate to what the
+    non-streamed rule gives for the tokens up to the first stop (the engine stops there), and
+    no delta ever holds a stop string's text that the final text leaves out."""
+    tok = CharTokenizer()
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],  # type: ignore[list-item]
+        stop=stops or None,
+        include_stop_str_in_output=include,
+    )
+    rule = StopRule(tok, req)
+    end = next((k for k in range(1, len(ids) + 1) if rule.hit(ids[:k])), len(ids))  # the engine's stop
+    ids = ids[:end]
+    finish = "stop" if rule.hit(ids) else "length"
+    expected, _ = rule.finish(ids, finish, frozenset())
+    stream, out, at, k = TextStream(rule, frozenset()), [], 0, 0
+    while at < len(ids):
+        n = cuts[k % len(cuts)]
+        k += 1
+        last = at + n >= len(ids)
+        part = ids[at : at + n]
+        delta, _ = stream.step(TokenStep(part, [0.0] * len(part), [0] * len(part), (), finish if last else None))
+        out.append(delta)
+        assert expected.startswith("".join(out)), (out, expected)
+        at += n
+    assert "".join(out) == expected
+
+
+# --- a real server --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        "reference",
+        tiny_model,
+        api_key=API_KEY,
+        startup_timeout_s=120,
+        options={"threads": 1, "max_model_len": 256},
+    )
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _both(client: openai.OpenAI, **kw: Any) -> tuple[Any, list[Any]]:
+    """The same request non-streamed and streamed: (response, chunks)."""
+    extra = kw.pop("extra_body", {})
+    base = {"model": "tiny", "messages": MESSAGES, **kw}
+    whole = client.chat.completions.create(**base, extra_body=extra)
+    chunks = list(
+        client.chat.completions.create(**base, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    )
+    return whole, chunks
+
+
+def _extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {}).get(name)
+
+
+@pytest.mark.integration
+def test_stream_adds_up_to_the_non_streamed_request(client: openai.OpenAI) -> None:
+    """A seeded sampled request (n=2), streamed: the role chunk first (prompt ids in it), each
+    choice's deltas concatenate to the non-streamed text, its token ids, logprobs and weight
+    versions to the non-streamed ones, ``finish_reason`` on its last content chunk, usage last."""
+    kw = {
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"return_token_ids": True},
+    }
+    whole, chunks = _both(client, **kw)
+    first, usage = chunks[0], chunks[-1]
+    assert first.object == "chat.completion.chunk"
+    assert [(c.index, c.delta.role, c.delta.content) for c in first.choices] == [
+        (0, "assistant", ""),
+        (1, "assistant", ""),
+    ]
+    assert _extra(first, "prompt_token_ids") == _extra(whole, "prompt_token_ids")
+    assert usage.choices == [] and usage.usage is not None and whole.usage is not None
+    assert usage.usage.model_dump() == whole.usage.model_dump()
+    for choice in whole.choices:
+        mine = [c for ch in chunks[1:-1] for c in ch.choices if c.index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [t for c in mine for t in _extra(c, "token_ids")] == _extra(choice, "token_ids")
+        assert [v for c in mine for v in _extra(c, "weight_versions")] == _extra(choice, "weight_versions")
+        streamed_lps = [
+            (t.token, t.logprob, [a.token for a in t.top_logprobs]) for c in mine for t in c.logprobs.content
+        ]
+        assert streamed_lps == [
+            (t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in choice.logprobs.content
+        ]
+        assert [c.finish_reason for c in mine][-1] == choice.finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
+    assert len(chunks) > 4, f"{len(chunks)} chunks: not streamed token by token"
+
+
+@pytest.mark.integration
+def test_stream_honours_stop_strings(client: openai.OpenAI) -> None:
+    """Greedy, with a stop string from the middle of the text: the streamed text is the
+    non-streamed one (the text before the stop string), never a character of the stop string."""
+    full = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = full.choices[0].message.content or ""
+    stop = text[6:9]
+    whole, chunks = _both(client, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    streamed = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+    assert streamed == whole.choices[0].message.content == text[: text.index(stop)]
+    last = [c for ch in chunks for c in ch.choices if c.finish_reason][-1]
+    assert last.finish_reason == "stop" and _extra(last, "stop_reason") == stop
+
+
+@pytest.mark.integration
+def test_client_that_leaves_frees_its_admission(served: ServerProcess) -> None:
+    """A client that reads one event of a long stream and disconnects: the server's admitted
+    requests and tokens go back to 0 (the request was cancelled, not left running)."""
+    body = {"messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=served.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            line = next(resp.iter_lines())
+            assert line.startswith("data: ") and json.loads(line[6:])["object"] == "chat.completion.chunk"
+        deadline = time.monotonic() + 30
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            info = http.get("/info").json()
+            if info["requests_in_flight"] == 0:
+                break
+            time.sleep(0.1)
+        assert (info["requests_in_flight"], info["tokens_in_flight"]) == (0, 0), info
+
+
+@pytest.mark.integration
+def test_stream_refusals_are_400_before_any_event(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.param == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, logit_bias={"999999": 5})
+    assert e.value.param == "logit_bias"
