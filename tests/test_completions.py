@@ -1,0 +1,128 @@
+"""``/v1/completions`` as vLLM 0.32 serves it, driven by the official ``openai`` client against a
+real reference server: text and token-id prompts (token-in, token-out: the ids of a chat's
+prompt give that chat's generation), a batch, the extensions (token ids, logprobs, prompt
+logprobs, weight versions), the stop rule, and refusals naming their field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pipelinerl_sdk.launch import ServerProcess
+
+pytestmark = pytest.mark.integration
+API_KEY = "sk-test-completions"
+CONTEXT = 160
+TEXT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model: Path) -> Iterator[openai.OpenAI]:
+    proc = ServerProcess(
+        "reference",
+        tiny_model,
+        api_key=API_KEY,
+        startup_timeout_s=120,
+        options={"threads": 1, "max_model_len": CONTEXT},
+    )
+    proc.start()
+    try:
+        with openai.OpenAI(base_url=f"{proc.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+            yield c
+    finally:
+        proc.stop()
+
+
+def complete(client: openai.OpenAI, prompt: Any, **kw: Any) -> Any:
+    extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
+    return client.completions.create(model="tiny", prompt=prompt, extra_body=extra, **kw)
+
+
+def x(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {})[name]
+
+
+def test_text_prompt_with_every_extension(client: openai.OpenAI) -> None:
+    r = complete(client, TEXT, max_tokens=8, temperature=0, logprobs=2, extra_body={"prompt_logprobs": 1})
+    assert r.object == "text_completion" and len(r.choices) == 1
+    c = r.choices[0]
+    ids, prompt_ids = x(c, "token_ids"), x(c, "prompt_token_ids")
+    assert len(ids) == 8 and c.finish_reason == "length"
+    assert x(c, "weight_versions") == [0] * 8
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == len(prompt_ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(v <= 0 for v in lp.token_logprobs) and lp.text_offset[0] == 0
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[tok] == v and 1 <= len(top) <= 3  # the token and its 2 best alternatives
+        assert v == max(top.values())  # greedy: the sampled token is the best
+    prompt_lps = x(c, "prompt_logprobs")
+    assert len(prompt_lps) == len(prompt_ids) and prompt_lps[0] is None
+    assert all(str(prompt_ids[i]) in prompt_lps[i] for i in range(1, len(prompt_ids)))
+    assert c.text == "".join(lp.tokens) or "\ufffd" in "".join(lp.tokens)
+
+
+def test_token_ids_in_give_the_chat_generation_out(client: openai.OpenAI) -> None:
+    """The prompt ids of a greedy chat, sent as a completions prompt, give the chat's tokens and
+    text (nothing re-tokenised); the text prompt's ids sent back give the same completion."""
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    out = complete(client, x(chat, "prompt_token_ids"), max_tokens=10, temperature=0).choices[0]
+    assert x(out, "token_ids") == x(chat.choices[0], "token_ids")
+    assert out.text == chat.choices[0].message.content
+    by_text = complete(client, TEXT, max_tokens=6, temperature=0).choices[0]
+    by_ids = complete(client, x(by_text, "prompt_token_ids"), max_tokens=6, temperature=0).choices[0]
+    assert (by_ids.text, x(by_ids, "token_ids")) == (by_text.text, x(by_text, "token_ids"))
+
+
+def test_a_batch_is_each_prompt_n_times_in_order(client: openai.OpenAI) -> None:
+    """Two prompts, n=2, seeded: choice ``p * 2 + i`` is sample ``i`` of prompt ``p``, the same
+    as that prompt asked alone with the same seed; usage counts both prompts."""
+    prompts = [TEXT, "Once upon a time"]
+    batch = complete(client, prompts, max_tokens=6, temperature=1.0, seed=4, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        alone = complete(client, prompt, max_tokens=6, temperature=1.0, seed=4, n=2)
+        assert [x(c, "token_ids") for c in batch.choices[2 * p : 2 * p + 2]] == [
+            x(c, "token_ids") for c in alone.choices
+        ]
+    assert batch.usage.completion_tokens == 24
+    assert batch.usage.prompt_tokens == sum(len(x(batch.choices[2 * p], "prompt_token_ids")) for p in range(2))
+    ids_batch = complete(client, [x(batch.choices[0], "prompt_token_ids")] * 2, max_tokens=3, temperature=0)
+    assert len(ids_batch.choices) == 2 and x(ids_batch.choices[0], "token_ids") == x(ids_batch.choices[1], "token_ids")
+
+
+def test_stop_strings_and_default_budget(client: openai.OpenAI) -> None:
+    full = complete(client, TEXT, temperature=0).choices[0]
+    assert len(x(full, "token_ids")) == 16  # vLLM's default max_tokens for completions
+    text = full.text
+    stop = text[4:6]
+    cut = complete(client, TEXT, temperature=0, stop=[stop]).choices[0]
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    assert x(cut, "stop_reason") == stop
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"stream": True}, "stream"),
+        ({"max_tokens": CONTEXT}, "max_tokens"),
+        ({"prompt": list(range(1, CONTEXT + 1))}, "prompt"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_refusals_are_bad_request_naming_param(client: openai.OpenAI, kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, kw.pop("prompt", TEXT), **kw)
+    assert e.value.param == param, e.value.body
