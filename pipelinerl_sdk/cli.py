@@ -157,6 +157,17 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             repeats=args.updates,
             options=_options(args.option),
         )
+    elif args.what == "generate":
+        from pipelinerl_sdk.bench.generate import run_generate_bench
+
+        result = run_generate_bench(
+            backend=args.backend,
+            model=args.model,
+            seconds=args.seconds,
+            rounds=args.rounds,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+        )
     elif args.what == "pipeline":
         from pipelinerl_sdk.bench.pipeline import run_pipeline_bench
 
@@ -246,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tiny_model)
 
     k = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
-    k.add_argument("what", choices=["weight-update", "gather", "pipeline"])
+    k.add_argument("what", choices=["weight-update", "gather", "pipeline", "generate"])
     k.add_argument("--backend", default="reference", help="weight-update: the inference backend")
     k.add_argument("--trainer", default=None, help="gather: the trainer backend")
     k.add_argument("--world-size", type=int, default=2, help="gather: trainer ranks")
@@ -255,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seconds", type=float, default=8.0, help="length of each throughput window")
     k.add_argument("--updates", type=int, default=9, help="updates timed (per mode for weight-update)")
     k.add_argument("--concurrency", type=int, default=16)
+    k.add_argument("--rounds", type=int, default=4, help="generate: rounds of the three modes")
+    k.add_argument("--max-tokens", type=int, default=64, help="generate: tokens per request")
     k.add_argument("--bucket-mb", type=int, default=64)
     k.add_argument("--json", action="store_true", help="one JSON object on one line")
     k.add_argument("--config", default=None, help="pipeline: the run config (TOML/JSON)")

@@ -20,6 +20,7 @@ from pipelinerl_sdk.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     GroupBackend,
@@ -279,6 +280,11 @@ class InferenceBackend(ABC):
     async def completion(self, req: CompletionRequest) -> CompletionResponse:
         """``/v1/completions``, for a backend that declares ``completions``; the default refuses."""
         raise InvalidRequest(f"the {self.name} backend does not serve /v1/completions", field="prompt")
+
+    async def completion_stream(self, req: CompletionRequest) -> AsyncIterator[CompletionChunk]:
+        """A ``stream=true`` completion, for a backend that declares ``streaming`` and
+        ``completions`` (as :meth:`chat_completion_stream`); the default refuses."""
+        raise InvalidRequest(f"stream: the {self.name} backend does not stream; send stream=false", field="stream")
 
 
 @runtime_checkable

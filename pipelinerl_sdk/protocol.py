@@ -545,6 +545,33 @@ class CompletionResponse(WireModel):
     usage: Usage
 
 
+class CompletionChunkChoice(WireModel):
+    """One choice's part of a streamed completion: the text released and, for the tokens this
+    chunk carries, logprobs, ids and weight versions; ``prompt_token_ids`` on its first chunk
+    (with ``return_token_ids``); ``finish_reason`` on its last."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    weight_versions: list[int] = Field(default_factory=list)
+
+
+class CompletionChunk(WireModel):
+    """One server-sent event of a streamed ``/v1/completions`` (vLLM's shape); with
+    ``stream_options.include_usage`` the last has ``usage`` and no choices; then ``data: [DONE]``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
 class ErrorBody(WireModel):
     """Every 4xx/5xx body of the contract, OpenAI's shape: ``{"error": {"message", "type",
     "param", "code"}}`` (``code``: the HTTP status, as vLLM sends)."""

@@ -44,6 +44,7 @@ from pipelinerl_sdk.protocol import (
     ChoiceLogprobs,
     ParamSpec,
     ReceiveMode,
+    SamplingRequest,
     WeightUpdateRequest,
 )
 from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
@@ -569,7 +570,7 @@ class DropsAChunk(ReferenceInferenceBackend):
     Caught by ``test_streamed_deltas_add_up_to_the_non_streamed_text``: "streamed deltas add up
     to"."""
 
-    def sample_steps(self, plan: ChatPlan, req: ChatCompletionRequest, i: int) -> AsyncIterator[TokenStep]:
+    def sample_steps(self, plan: ChatPlan, req: SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
         async def dropping() -> AsyncIterator[TokenStep]:
             k = 0
             async for step in super(DropsAChunk, self).sample_steps(plan, req, i):

@@ -22,19 +22,12 @@ TEXT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def client(tiny_model: Path) -> Iterator[openai.OpenAI]:
-    proc = ServerProcess(
-        "reference",
-        tiny_model,
-        api_key=API_KEY,
-        startup_timeout_s=120,
-        options={"threads": 1, "max_model_len": CONTEXT},
-    )
-    proc.start()
-    try:
-        with openai.OpenAI(base_url=f"{proc.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        proc.stop()
+    opts: dict[str, object] = {"threads": 1, "max_model_len": CONTEXT}
+    with (
+        ServerProcess("reference", tiny_model, api_key=API_KEY, startup_timeout_s=120, options=opts) as proc,
+        openai.OpenAI(base_url=f"{proc.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c,
+    ):
+        yield c
 
 
 def complete(client: openai.OpenAI, prompt: Any, **kw: Any) -> Any:
@@ -111,12 +104,33 @@ def test_stop_strings_and_default_budget(client: openai.OpenAI) -> None:
     assert x(cut, "stop_reason") == stop
 
 
+def test_stream_adds_up_to_the_non_streamed_completion(client: openai.OpenAI) -> None:
+    """A seeded batch (2 prompts x n 2, logprobs 1) streamed: per choice the text, token ids,
+    weight versions and logprob tokens add up to the non-streamed ones, offsets run on through
+    the choice, prompt ids on its first chunk, finish reason on its last; usage last."""
+    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 1.0, "seed": 9, "n": 2, "logprobs": 1}
+    prompts = [TEXT, "Once upon a time"]
+    whole = complete(client, prompts, **kw)
+    chunks = list(complete(client, prompts, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    for c in whole.choices:
+        mine = [ch for chunk in chunks[:-1] for ch in chunk.choices if ch.index == c.index]
+        assert "".join(m.text for m in mine) == c.text
+        assert [t for m in mine for t in x(m, "token_ids")] == x(c, "token_ids")
+        assert [v for m in mine for v in x(m, "weight_versions")] == x(c, "weight_versions")
+        assert [t for m in mine for t in m.logprobs.tokens] == c.logprobs.tokens
+        assert [o for m in mine for o in m.logprobs.text_offset] == c.logprobs.text_offset
+        assert x(mine[0], "prompt_token_ids") == x(c, "prompt_token_ids")
+        assert all("prompt_token_ids" not in (m.model_extra or {}) for m in mine[1:])
+        assert [m.finish_reason for m in mine][-1] == c.finish_reason and not any(m.finish_reason for m in mine[:-1])
+
+
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
         ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
-        ({"stream": True}, "stream"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"max_tokens": CONTEXT}, "max_tokens"),
         ({"prompt": list(range(1, CONTEXT + 1))}, "prompt"),
         ({"logprobs": 21}, "logprobs"),

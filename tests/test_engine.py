@@ -409,3 +409,36 @@ async def _greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int
     out = await engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0))
     await engine.stop()
     return out.token_ids
+
+
+def test_stream_equals_generate_and_closing_it_drops_the_request(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
+    """``stream`` of a seeded request gives, step by step, the tokens, logprobs and versions of
+    the same request through ``generate``, the finish reason on its last step only; a stream
+    closed after its first step leaves the engine with nothing running (the request dropped,
+    not run to its 400 tokens)."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, top_logprobs=2, ignore_eos=True)
+
+    async def main() -> None:
+        engine = await started(model, max_model_len=512)
+        whole = await engine.generate(prompts[0], params)
+        steps = [s async for s in engine.stream(prompts[0], params)]
+        assert [t for s in steps for t in s.token_ids] == whole.token_ids
+        assert [v for s in steps for v in s.logprobs] == whole.logprobs
+        assert [v for s in steps for v in s.versions] == whole.versions
+        assert [list(a) for s in steps for a in s.top_logprobs] == whole.top_logprobs
+        assert [s.finish_reason for s in steps][-1] == "length" and not any(s.finish_reason for s in steps[:-1])
+        long = engine.stream(prompts[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        first = await anext(long)
+        assert first.token_ids and first.finish_reason is None
+        await long.aclose()  # type: ignore[attr-defined]
+        for _ in range(200):
+            if engine.stats().running == engine.stats().waiting == 0:
+                break
+            await asyncio.sleep(0.05)
+        stats = engine.stats()
+        assert (stats.running, stats.waiting) == (0, 0) and stats.generated_tokens < 24 + 400, stats
+        await engine.stop()
+
+    run(main())

@@ -89,18 +89,9 @@ def test_streamed_text_adds_up_to_the_non_streamed_text(
 
 @pytest.fixture(scope="module")
 def served(tiny_model: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        "reference",
-        tiny_model,
-        api_key=API_KEY,
-        startup_timeout_s=120,
-        options={"threads": 1, "max_model_len": 256},
-    )
-    proc.start()
-    try:
+    opts: dict[str, object] = {"threads": 1, "max_model_len": 256}
+    with ServerProcess("reference", tiny_model, api_key=API_KEY, startup_timeout_s=120, options=opts) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from pipelinerl_sdk.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
     ProbeBroadcastRequest,
@@ -239,6 +241,11 @@ class InferenceClient:
             await self._call("POST", "/v1/chat/completions", control=False, body=body)
         )
 
+    async def completion(self, req: CompletionRequest | Mapping[str, Any]) -> CompletionResponse:
+        """``/v1/completions`` (a backend that declares ``completions``)."""
+        body = req.model_dump(mode="json", exclude_none=True) if isinstance(req, CompletionRequest) else dict(req)
+        return CompletionResponse.model_validate(await self._call("POST", "/v1/completions", control=False, body=body))
+
     async def chat_stream(self, req: ChatCompletionRequest | Mapping[str, Any]) -> AsyncIterator[ChatCompletionChunk]:
         """A ``stream=true`` chat: its chunks as they come (server-sent events, up to
         ``data: [DONE]``). ServerError with the server's message on a refusal, on an error
@@ -259,11 +266,10 @@ class InferenceClient:
                     data = line[6:]
                     if data == "[DONE]":
                         return
-                    event = json.loads(data)
-                    if "error" in event:
-                        err = event["error"]
+                    if data.startswith('{"error"'):
+                        err = json.loads(data)["error"]
                         raise ServerError(self.url, f"POST {path}: {err.get('message')}", status=err.get("code"))
-                    yield ChatCompletionChunk.model_validate(event)
+                    yield ChatCompletionChunk.model_validate_json(data)
         except httpx.HTTPError as e:
             raise ServerError(self.url, f"POST {path}: {_describe(e)}") from e
         raise ServerError(self.url, f"POST {path}: the stream ended without data: [DONE]")

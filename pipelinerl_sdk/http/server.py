@@ -14,7 +14,8 @@ a wrong one; every token is checked before the body is read):
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured; a missing or
   wrong key is 401, as OpenAI answers); ``stream=true`` chat is server-sent events
   (:class:`EventStream`) for a backend that declares ``streaming``, else a 400 naming ``stream``;
-  ``POST /v1/completions`` (the same key) for a backend that declares ``completions``, else 404.
+  ``POST /v1/completions`` (the same key) only for a backend that declares ``completions`` (an
+  engine-owned app keeps its own route otherwise: vLLM's, without weight versions).
 
 At most one control operation runs at a time; a second is refused with 409, never queued.
 
@@ -420,7 +421,9 @@ def build_router(
             ],
         }
 
-    async def chat_stream(req: ChatCompletionRequest) -> Response:
+    async def stream(req: Any, open_stream: Callable[[Any], Awaitable[AsyncIterator[Any]]]) -> Response:
+        """``open_stream(req)`` (planned: its 400s before any event) as server-sent events,
+        under admission for the stream's whole life."""
         if not backend.capabilities.streaming:
             raise InvalidRequest(
                 f"stream: the {backend.name} backend does not stream; send stream=false", field="stream"
@@ -428,7 +431,12 @@ def build_router(
         held = ExitStack()
         held.enter_context(admission.admit(chat_cost(req, backend.max_model_len or UNKNOWN_CONTEXT_BUDGET)))
         try:
-            chunks = await backend.chat_completion_stream(req)
+            try:
+                chunks = await open_stream(req)
+            except PipelineRLError:
+                raise  # the table decides
+            except ValueError as e:  # an adapter's plain ValueError: the request, not the server
+                raise HTTPError(400, str(e)) from e
         except BaseException:
             held.close()
             raise
@@ -439,21 +447,18 @@ def build_router(
         if req.model is not None and req.model not in (served, backend.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
         if req.stream:
-            try:
-                return await chat_stream(req)
-            except PipelineRLError:
-                raise  # the table decides
-            except ValueError as e:  # an adapter's plain ValueError: the request, not the server
-                raise HTTPError(400, str(e)) from e
+            return await stream(req, backend.chat_completion_stream)
         return await generate(req, request, backend.chat_completion)
 
-    @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         if req.model is not None and req.model not in (served, backend.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
-        if not backend.capabilities.completions:
-            raise HTTPError(404, f"the {backend.name} backend does not serve /v1/completions", kind="not_found_error")
+        if req.stream:
+            return await stream(req, backend.completion_stream)
         return await generate(req, request, backend.completion)
+
+    if backend.capabilities.completions:  # else an engine's own route (vLLM's) stays in place
+        router.post("/v1/completions")(completions)
 
     async def generate(req: Any, request: Request, call: Callable[[Any], Awaitable[Any]]) -> Response:
         """``call(req)`` under admission, cancelled if the client disconnects first; its
@@ -501,7 +506,7 @@ class EventStream(StreamingResponse):
 
                 async def watch() -> None:
                     await self.listen_for_disconnect(receive)
-                    log.info("chat stream cancelled: its client disconnected")
+                    log.info("stream cancelled: its client disconnected")
                     group.cancel_scope.cancel()
 
                 group.start_soon(produce)
@@ -519,14 +524,18 @@ async def _sse(chunks: AsyncIterator[Any], model: str) -> AsyncGenerator[bytes, 
     error after the first event is sent as an error event in OpenAI's shape (as vLLM does)."""
     try:
         async for chunk in chunks:
-            yield b"data: " + json.dumps({**chunk.model_dump(exclude_none=True), "model": model}).encode() + b"\n\n"
+            yield (
+                b"data: "
+                + chunk.model_copy(update={"model": model}).model_dump_json(exclude_none=True).encode()
+                + b"\n\n"
+            )
     except PipelineRLError as e:
         h = as_http_error(e)
         yield _error_event(h.status, h.message, h.kind, h.field)
     except ValueError as e:
         yield _error_event(400, str(e), "invalid_request", None)
     except Exception as e:
-        log.error("chat stream failed", exc_info=e)
+        log.error("stream failed", exc_info=e)
         yield _error_event(500, f"{type(e).__name__}: {e}", "internal_error", None)
     finally:
         aclose = getattr(chunks, "aclose", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import torch
 
@@ -124,7 +125,7 @@ class ReferenceInferenceBackend(KitBackend):
             ignore_eos=req.ignore_eos,
         )
 
-    def sample_steps(self, plan: ChatPlan, req: wire.ChatCompletionRequest, i: int) -> AsyncIterator[TokenStep]:
+    def sample_steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
         return self.engine.stream(plan.prompt_ids, self._sampling(plan, req, i))
 
     def ending_ids(self, req: wire.SamplingRequest) -> frozenset[int]:
@@ -149,22 +150,24 @@ class ReferenceInferenceBackend(KitBackend):
             ),
         )
 
-    def _choice(self, index: int, r: GenerationResult, req: wire.ChatCompletionRequest) -> wire.ChatChoice:
-        """One choice; its text by vLLM's stop rule (:class:`StopRule`) over the engine's ids."""
+    def _outcome(self, r: GenerationResult, req: wire.SamplingRequest) -> dict[str, Any]:
+        """A result's text by vLLM's stop rule (:class:`StopRule`) over the engine's ids, with
+        its tokens, versions, logprobs, finish and stop reason (the assembly's keywords)."""
         finish = r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "abort"
         text, stop_reason = StopRule(self.tokenizer, req).finish(r.token_ids, finish, self.ending_ids(req))  # type: ignore[arg-type]
-        return assemble_choice(
-            self.tokenizer,
-            index,
-            req,
-            text=text,
-            token_ids=r.token_ids,
-            versions=r.versions,
-            finish_reason=finish,  # type: ignore[arg-type]
-            logprobs=r.logprobs,
-            top_logprobs=r.top_logprobs or None,
-            stop_reason=stop_reason,
-        )
+        return {
+            "text": text,
+            "token_ids": r.token_ids,
+            "versions": r.versions,
+            "finish_reason": finish,
+            "logprobs": r.logprobs,
+            "top_logprobs": r.top_logprobs or None,
+            "stop_reason": stop_reason,
+        }
+
+    def _choice(self, index: int, r: GenerationResult, req: wire.ChatCompletionRequest) -> wire.ChatChoice:
+        """One choice (:meth:`_outcome`)."""
+        return assemble_choice(self.tokenizer, index, req, **self._outcome(r, req))
 
     async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
         plans = await plan_completion(self.tokenizer, req, self.engine.max_model_len)
@@ -175,27 +178,15 @@ class ReferenceInferenceBackend(KitBackend):
         choices = []
         for k, r in enumerate(results):
             plan, first = plans[k // n], results[k - k % n]
-            finish = r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "abort"
-            text, stop_reason = StopRule(self.tokenizer, req).finish(r.token_ids, finish, self.ending_ids(req))  # type: ignore[arg-type]
-            choices.append(
-                completion_choice(
-                    self.tokenizer,
-                    k,
-                    req,
-                    plan,
-                    text=text,
-                    token_ids=r.token_ids,
-                    versions=r.versions,
-                    finish_reason=finish,  # type: ignore[arg-type]
-                    logprobs=r.logprobs,
-                    top_logprobs=r.top_logprobs or None,
-                    stop_reason=stop_reason,
-                    prompt_logprobs=None
-                    if first.prompt_logprobs is None
-                    else prompt_entries(
-                        self.tokenizer, plan.prompt_ids, first.prompt_logprobs, first.prompt_ranks, first.prompt_tops
-                    ),
+            prompt_lps = (
+                None
+                if first.prompt_logprobs is None
+                else prompt_entries(
+                    self.tokenizer, plan.prompt_ids, first.prompt_logprobs, first.prompt_ranks, first.prompt_tops
                 )
+            )
+            choices.append(
+                completion_choice(self.tokenizer, k, req, plan, prompt_logprobs=prompt_lps, **self._outcome(r, req))
             )
         return assemble_completion(
             self.model_name, plans, choices, completion_tokens=sum(len(r.token_ids) for r in results)

@@ -15,15 +15,19 @@ from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError
 from pipelinerl_sdk.kit.inference.book import GroupBook
 from pipelinerl_sdk.kit.inference.card import EngineCard
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
-from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
+from pipelinerl_sdk.kit.inference.completion import plan_completion
+from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks, completion_chunks
 from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionChunk,
+    CompletionRequest,
     GroupState,
     InitProcessGroupRequest,
     ParamSpec,
     ReceiveMode,
+    SamplingRequest,
     WeightUpdateRequest,
 )
 
@@ -156,12 +160,22 @@ class KitBackend(InferenceBackend):
         samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
         return chat_chunks(self.tokenizer, self.model_name, req, plan, samples, self.ending_ids(req))
 
-    def sample_steps(self, plan: ChatPlan, req: ChatCompletionRequest, i: int) -> AsyncIterator[TokenStep]:
-        """Sample ``i`` of ``req`` as the engine produces it, ending with a step that carries
-        the finish reason; closing the iterator must abort the sample in the engine."""
+    async def completion_stream(self, req: CompletionRequest) -> AsyncIterator[CompletionChunk]:
+        """Streamed ``/v1/completions`` from :meth:`sample_steps` (capabilities ``streaming``
+        and ``completions``): planned first (400s here), then the kit's chunks."""
+        if self.max_model_len is None:
+            raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
+        plans = await plan_completion(self.tokenizer, req, self.max_model_len)
+        samples = [self.sample_steps(plan, req, i) for plan in plans for i in range(req.n)]
+        return completion_chunks(self.tokenizer, self.model_name, req, plans, samples, self.ending_ids(req))
+
+    def sample_steps(self, plan: ChatPlan, req: SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
+        """Sample ``i`` of ``req`` (for ``plan``'s prompt) as the engine produces it, ending
+        with a step that carries the finish reason; closing the iterator must abort the sample
+        in the engine."""
         raise NotImplementedError(f"{type(self).__name__} must implement sample_steps to stream")
 
-    def ending_ids(self, req: ChatCompletionRequest) -> frozenset[int]:
+    def ending_ids(self, req: SamplingRequest) -> frozenset[int]:
         """The token ids that end a sample of ``req``: ``stop_token_ids``, and the tokenizer's
         EOS unless ``ignore_eos`` (override where the engine stops on more)."""
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -45,14 +45,16 @@ def prepare_completion(tokenizer: Any, req: CompletionRequest, max_model_len: in
     """One plan per prompt of ``req``: its ids (text tokenized with the model's special tokens,
     as vLLM; token ids as given), the token budget (16 by default, as vLLM; ``null``: the rest of
     the context), the logprob alternatives (``logprobs`` N), the stop rule and sampling values.
-    InvalidRequest naming the field for what is not served (``echo``, ``suffix``, streaming)
-    and PromptTooLong naming ``prompt`` or ``max_tokens`` past ``max_model_len``."""
+    InvalidRequest naming the field for what is not served (``echo``, ``suffix``, prompt
+    logprobs in a stream)
+    and PromptTooLong naming ``prompt`` or ``max_tokens`` past ``max_model_len``. Whether a
+    backend streams is the router's check (capability ``streaming``)."""
     if req.echo:
         raise InvalidRequest("echo: not served (the prompt is in prompt_token_ids)", field="echo")
     if req.suffix is not None:
         raise InvalidRequest("suffix: not served (no fill-in-the-middle)", field="suffix")
-    if req.stream:
-        raise InvalidRequest("stream: streamed completions are not served yet; send stream=false", field="stream")
+    if req.stream and req.prompt_top is not None:
+        raise InvalidRequest("prompt_logprobs: not available with stream=true (as in vLLM)", field="prompt_logprobs")
     prompts = req.prompts()
     plans = []
     for p, prompt in enumerate(prompts):
@@ -95,12 +97,13 @@ def completion_logprobs(
     top_logprobs: Sequence[Sequence[tuple[int, float]]] | None,
     *,
     as_ids: bool,
+    start: int = 0,
 ) -> CompletionLogprobs:
     """OpenAI's completions logprobs: each token's text, raw logprob, character offset (of the
-    tokens' texts laid end to end) and, with ``top_logprobs``, its alternatives and itself (as
-    vLLM) as text -> logprob."""
+    tokens' texts laid end to end, from ``start``) and, with ``top_logprobs``, its alternatives
+    and itself (as vLLM) as text -> logprob."""
     tokens = [token_text(tokenizer, int(t), as_ids=as_ids) for t in token_ids]
-    offsets, at = [], 0
+    offsets, at = [], start
     for tok in tokens:
         offsets.append(at)
         at += len(tok)

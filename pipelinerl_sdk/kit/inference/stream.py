@@ -8,20 +8,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, FinishReason, StopRule
+from pipelinerl_sdk.kit.inference.completion import completion_logprobs
 from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChunkChoice,
     ChunkDelta,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionRequest,
+    SamplingRequest,
     Usage,
 )
 
-__all__ = ["TextStream", "TokenStep", "chat_chunks", "held_back", "merge_samples"]
+__all__ = ["TextStream", "TokenStep", "chat_chunks", "completion_chunks", "held_back", "merge_samples", "released"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +83,15 @@ class TextStream:
         return delta, stop_reason
 
 
-async def merge_samples(samples: Sequence[AsyncIterator[TokenStep]]) -> AsyncIterator[tuple[int, TokenStep]]:
+async def merge_samples(
+    samples: Sequence[AsyncIterator[TokenStep]],
+) -> AsyncGenerator[tuple[int, TokenStep], None]:
     """The steps of every sample, ``(sample index, step)``, in the order they come. Closing the
     merged iterator (or an error in one sample) cancels every sample still running."""
     if len(samples) == 1:
-        async for s in samples[0]:
-            yield 0, s
+        async with aclosing(samples[0]) as only:  # type: ignore[type-var]
+            async for s in only:
+                yield 0, s
         return
     queue: asyncio.Queue[tuple[int, TokenStep | BaseException | None]] = asyncio.Queue()
 
@@ -112,6 +121,36 @@ async def merge_samples(samples: Sequence[AsyncIterator[TokenStep]]) -> AsyncIte
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def released(
+    tokenizer: object,
+    req: SamplingRequest,
+    samples: Sequence[AsyncIterator[TokenStep]],
+    stop_ids: frozenset[int],
+) -> AsyncGenerator[tuple[int, str, str | int | None, TokenStep], None]:
+    """``(sample index, text released, stop reason, step)`` for every step of ``samples``
+    (:class:`TextStream`; ``stop_ids``: the ids that end a sample). RuntimeError when a step
+    reports a version per token other than one, or a sample ends without a finish reason."""
+    texts = [TextStream(StopRule(tokenizer, req), stop_ids) for _ in samples]
+    finished = [False] * len(samples)
+    async with aclosing(merge_samples(samples)) as merged:
+        async for i, step in merged:
+            if len(step.versions) != len(step.token_ids):
+                raise RuntimeError(f"sample {i}: {len(step.versions)} weight versions for {len(step.token_ids)} tokens")
+            delta, stop_reason = texts[i].step(step)
+            finished[i] = step.finish_reason is not None
+            yield i, delta, stop_reason, step
+    if not all(finished):
+        raise RuntimeError(f"samples {[i for i, f in enumerate(finished) if not f]} ended without a finish reason")
+
+
+def _usage(prompt: int, completion: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _wants_usage(req: SamplingRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
 async def chat_chunks(
     tokenizer: object,
     model: str,
@@ -122,11 +161,9 @@ async def chat_chunks(
 ) -> AsyncIterator[ChatCompletionChunk]:
     """The chunks of a streamed chat from its ``req.n`` ``samples``: each choice's role first
     (``prompt_token_ids`` with ``return_token_ids``), then one chunk per step of a sample, the
-    text it releases (:class:`TextStream`; ``stop_ids``: the ids that end a sample, for its
-    text), its tokens' logprobs (if asked), ids (if asked) and weight versions, the finish
-    reason on its last; with ``stream_options.include_usage`` a last chunk with the usage.
-    RuntimeError when a sample ends without a finish reason or reports a version per token
-    other than one."""
+    text it releases (:func:`released`), its tokens' logprobs (if asked), ids (if asked) and
+    weight versions, the finish reason on its last; with ``stream_options.include_usage`` a
+    last chunk with the usage."""
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChunkChoice], **kw: object) -> ChatCompletionChunk:
@@ -136,43 +173,78 @@ async def chat_chunks(
         [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(len(samples))],
         prompt_token_ids=list(plan.prompt_ids) if req.return_token_ids else None,
     )
-    texts = [TextStream(StopRule(tokenizer, req), stop_ids) for _ in samples]
-    finished = [False] * len(samples)
     completion_tokens = 0
-    async for i, step in merge_samples(samples):
-        if len(step.versions) != len(step.token_ids):
-            raise RuntimeError(f"sample {i}: {len(step.versions)} weight versions for {len(step.token_ids)} tokens")
-        delta, stop_reason = texts[i].step(step)
-        completion_tokens += len(step.token_ids)
-        finished[i] = step.finish_reason is not None
-        yield chunk(
-            [
-                ChunkChoice(
-                    index=i,
-                    delta=ChunkDelta(content=delta),
-                    logprobs=choice_logprobs(
-                        tokenizer,
-                        step.token_ids,
-                        step.logprobs,
-                        step.top_logprobs if plan.top else None,
-                        as_ids=req.return_tokens_as_token_ids,
+    async with aclosing(released(tokenizer, req, samples, stop_ids)) as steps:
+        async for i, delta, stop_reason, step in steps:
+            completion_tokens += len(step.token_ids)
+            yield chunk(
+                [
+                    ChunkChoice(
+                        index=i,
+                        delta=ChunkDelta(content=delta),
+                        logprobs=choice_logprobs(
+                            tokenizer,
+                            step.token_ids,
+                            step.logprobs,
+                            step.top_logprobs if plan.top else None,
+                            as_ids=req.return_tokens_as_token_ids,
+                        )
+                        if req.logprobs
+                        else None,
+                        finish_reason=step.finish_reason,
+                        stop_reason=stop_reason,
+                        token_ids=list(step.token_ids) if req.return_token_ids else None,
+                        weight_versions=list(step.versions),
                     )
-                    if req.logprobs
-                    else None,
-                    finish_reason=step.finish_reason,
-                    stop_reason=stop_reason,
-                    token_ids=list(step.token_ids) if req.return_token_ids else None,
-                    weight_versions=list(step.versions),
+                ]
+            )
+    if _wants_usage(req):
+        yield chunk([], usage=_usage(len(plan.prompt_ids), completion_tokens))
+
+
+async def completion_chunks(
+    tokenizer: object,
+    model: str,
+    req: CompletionRequest,
+    plans: Sequence[ChatPlan],
+    samples: Sequence[AsyncIterator[TokenStep]],
+    stop_ids: frozenset[int],
+) -> AsyncIterator[CompletionChunk]:
+    """The chunks of a streamed ``/v1/completions`` (vLLM's ``text_completion`` chunks): sample
+    ``k`` is choice ``k``, of prompt ``plans[k // n]``; one chunk per step with the text it
+    releases, its tokens' logprobs (OpenAI's completions shape, offsets running on through the
+    choice), ids and weight versions, ``prompt_token_ids`` on a choice's first chunk (with
+    ``return_token_ids``), the finish reason on its last; usage last if asked."""
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    offsets = [0] * len(samples)
+    started = [False] * len(samples)
+    completion_tokens = 0
+    async with aclosing(released(tokenizer, req, samples, stop_ids)) as steps:
+        async for k, delta, stop_reason, step in steps:
+            completion_tokens += len(step.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(
+                    tokenizer,
+                    step.token_ids,
+                    step.logprobs,
+                    step.top_logprobs if req.logprobs else None,
+                    as_ids=req.return_tokens_as_token_ids,
+                    start=offsets[k],
                 )
-            ]
-        )
-    if not all(finished):
-        raise RuntimeError(f"samples {[i for i, f in enumerate(finished) if not f]} ended without a finish reason")
-    if req.stream_options is not None and req.stream_options.include_usage:
-        prompt = len(plan.prompt_ids)
-        yield chunk(
-            [],
-            usage=Usage(
-                prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens
-            ),
-        )
+                offsets[k] += sum(len(t) for t in logprobs.tokens)
+            first, started[k] = not started[k], True
+            choice = CompletionChunkChoice(
+                index=k,
+                text=delta,
+                logprobs=logprobs,
+                finish_reason=step.finish_reason,
+                stop_reason=stop_reason,
+                token_ids=list(step.token_ids) if req.return_token_ids else None,
+                prompt_token_ids=list(plans[k // req.n].prompt_ids) if req.return_token_ids and first else None,
+                weight_versions=list(step.versions),
+            )
+            yield CompletionChunk(id=cid, created=created, model=model, choices=[choice])
+    if _wants_usage(req):
+        prompt = sum(len(p.prompt_ids) for p in plans)
+        yield CompletionChunk(id=cid, created=created, model=model, choices=[], usage=_usage(prompt, completion_tokens))
