@@ -320,7 +320,8 @@ def test_engine_card_is_what_the_registry_and_the_backend_class_both_read(tiny_m
     registry = load_registry(autoload=False, plugins={"reference": plugin})
     entry = registry.get("inference", "reference")
     assert (entry.capabilities, entry.description, entry.factory) == (CARD.capabilities, CARD.description, CARD.factory)
-    assert ReferenceInferenceBackend.capabilities == CARD.capabilities == full_capabilities("direct", "staged")
+    full = dataclasses.replace(full_capabilities("direct", "staged"), streaming=True, completions=True)
+    assert ReferenceInferenceBackend.capabilities == CARD.capabilities == full
     assert CARD.capabilities.prompt_logprobs and CARD.capabilities.group_backends == {"gloo", "nccl"}
     config = ServeConfig(model=tiny_model, options={"threads": "1"})
     backend = registry.create_inference("reference", config)

@@ -2,8 +2,9 @@
 from the server's own ``/openapi.json``: valid bodies (positive) and invalid ones (negative),
 with the control token. No answer may be a 5xx, and every error is a JSON ``{"error": ...}``.
 
-Two narrowings keep it in time and on this machine, and are stated where they are made: a chat
-request's ``n`` and token budget are capped (a valid request may ask for minutes of decoding),
+Two narrowings keep it in time and on this machine, and are stated where they are made: a chat or
+completions request's ``n``, token budget and batch of prompts are capped (a valid request may
+ask for minutes of decoding),
 and ``/init_process_group`` is pointed at a closed loopback port with a 1 s timeout (a fuzzed
 address could be any listening port, whose handshake would wait ``timeout_s``). The one 5xx let
 through is that join's 502 "could not form group" (no store at the address): the trainer's side
@@ -39,7 +40,9 @@ def narrowed(path: str, body: Any) -> Any:
     """The case's body with the module doc's two narrowings applied (other fields as generated)."""
     if not isinstance(body, dict):
         return body
-    if path == "/v1/chat/completions":
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        if isinstance(body.get("prompt"), list) and body["prompt"] and isinstance(body["prompt"][0], (list, str)):
+            body["prompt"] = body["prompt"][:2]  # a batch: two prompts at most
         if isinstance(body.get("n"), int):
             body["n"] = min(body["n"], 2)
         for key in ("max_tokens", "max_completion_tokens"):
@@ -63,7 +66,12 @@ def test_no_route_answers_5xx_to_generated_requests(fuzzed: ServerProcess) -> No
     statuses: Counter[tuple[str, int]] = Counter()
     server_errors: list[str] = []
     ops = operations(raw)
-    assert {p for p, _ in ops} >= {"/v1/chat/completions", "/init_process_group", "/request_weight_update"}
+    assert {p for p, _ in ops} >= {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/init_process_group",
+        "/request_weight_update",
+    }
 
     with httpx.Client(base_url=fuzzed.url, timeout=120) as http:
 
