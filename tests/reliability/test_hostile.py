@@ -112,27 +112,35 @@ def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> N
     with ServerProcess("reference", tiny_model, options={"threads": 1}, args=args, startup_timeout_s=120) as srv:
         prompt = {**SMALL, "messages": [{"role": "user", "content": "ab " * ((10 << 20) // 3)}]}
 
-        async def body() -> tuple[httpx.Response, list[float], float]:
+        async def health_every_10_ms(http: httpx.AsyncClient, until: asyncio.Future[Any]) -> tuple[list[float], float]:
+            """(/health answer times, the server's peak RSS) until ``until`` is done."""
+            stalls: list[float] = []
+            peak = 0.0
+            while not until.done():
+                t0 = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                stalls.append(time.perf_counter() - t0)
+                peak = max(peak, rss_mb(srv.pid))
+                await asyncio.sleep(0.01)
+            return stalls, peak
+
+        async def body() -> tuple[httpx.Response, list[float], list[float], float]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
                 assert (await http.post("/v1/chat/completions", json=SMALL)).status_code == 200  # warm
+                # the same asks with no request running: what the machine's load alone costs
+                quiet, _ = await health_every_10_ms(http, asyncio.ensure_future(asyncio.sleep(3)))
                 big = asyncio.ensure_future(http.post("/v1/chat/completions", json=prompt))
-                stalls: list[float] = []
-                peak = 0.0
-                while not big.done():
-                    t0 = time.perf_counter()
-                    assert (await http.get("/health")).status_code == 200
-                    stalls.append(time.perf_counter() - t0)
-                    peak = max(peak, rss_mb(srv.pid))
-                    await asyncio.sleep(0.01)
-                return await big, stalls, peak
+                stalls, peak = await health_every_10_ms(http, big)
+                return await big, quiet, stalls, peak
 
         before = rss_mb(srv.pid)
-        resp, stalls, peak = run(body)
+        resp, quiet, stalls, peak = run(body)
         time.sleep(0.5)
         after = rss_mb(srv.pid)
     print(
-        f"\n/health during a 10 MB prompt: {len(stalls)} answers, longest {max(stalls) * 1000:.0f} ms; "
-        f"server RSS {before:.0f} MB before, {peak:.0f} MB peak, {after:.0f} MB after (kept {after - before:+.0f} MB)"
+        f"\n/health during a 10 MB prompt: {len(stalls)} answers, longest {max(stalls) * 1000:.0f} ms "
+        f"(with nothing running: longest of {len(quiet)} {max(quiet) * 1000:.0f} ms); server RSS {before:.0f} MB "
+        f"before, {peak:.0f} MB peak, {after:.0f} MB after (kept {after - before:+.0f} MB)"
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"  # past the context
     assert len(stalls) >= 3, "the big request must still be processing while /health is asked"
