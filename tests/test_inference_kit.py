@@ -9,6 +9,7 @@ Two bugs of the receive path are pinned here:
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -20,15 +21,25 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PromptTooLong, UpdateAborted
-from pipelinerl_sdk.kit.inference.chat import prepare_chat, versions_from_spans
+from pipelinerl_sdk.kit.inference.chat import (
+    COUNT_CHUNK_CHARS,
+    CUT_SLACK_TOKENS,
+    count_in_pieces,
+    prepare_chat,
+    render_prompt,
+    rust_tokenizer,
+    trim_heap,
+    versions_from_spans,
+)
 from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -198,6 +209,96 @@ def test_prepare_chat_raises_typed_errors_naming_the_field(tiny_model: Path) -> 
     with pytest.raises(InvalidRequest, match="requires logprobs") as e:
         prepare_chat(tok, ChatCompletionRequest(messages=hi, top_logprobs=2), 64)
     assert e.value.field == "top_logprobs"
+
+
+#: Text pieces of the tokenizer property: ASCII, 2-, 3- and 4-byte characters, special tokens.
+PIECES = [*"ab 1+\n\u00e9\u4e2d\U0001f600", "<|im_end|>", "<|im_start|>", "  ", "the", " cat"]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["user", "assistant", "system"]),
+            st.lists(st.sampled_from(PIECES), max_size=40).map("".join),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),
+)
+def test_the_rust_tokenizer_gives_the_ids_apply_chat_template_gives(
+    tiny_tokenizer: Any, messages: list[tuple[str, str]], generation_prompt: bool
+) -> None:
+    """The direct ``encode_batch`` path (GIL released, length checked before the ids exist) and
+    the transformers call agree, special tokens in the text included."""
+    assert rust_tokenizer(tiny_tokenizer) is not None  # the path under test is the fast one
+    msgs = [{"role": r, "content": c} for r, c in messages]
+    req = ChatCompletionRequest(messages=msgs, add_generation_prompt=generation_prompt)
+    expected = tiny_tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+    )
+    assert render_prompt(tiny_tokenizer, req) == list(expected)
+
+
+def test_a_prompt_past_the_context_is_refused_by_its_length(tiny_tokenizer: Any) -> None:
+    """Refused at exactly the length that leaves no room (on both paths), field ``messages``."""
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "ab " * 50}])
+    n = len(render_prompt(tiny_tokenizer, req))
+    assert render_prompt(tiny_tokenizer, req, n + 1) == render_prompt(tiny_tokenizer, req)
+    with pytest.raises(PromptTooLong, match=rf"prompt \({n} tokens\) leaves no room") as e:
+        render_prompt(tiny_tokenizer, req, n)
+    assert e.value.field == "messages"
+    slow = copy.deepcopy(tiny_tokenizer)
+    slow.backend_tokenizer.enable_truncation(8)  # a configured truncation: the transformers call
+    assert rust_tokenizer(slow) is None
+    assert render_prompt(slow, req, n + 1) == render_prompt(tiny_tokenizer, req)
+    with pytest.raises(PromptTooLong, match=rf"prompt \({n} tokens\)"):
+        render_prompt(slow, req, n)
+
+
+def test_a_long_prompt_is_counted_in_pieces_within_the_slack(tiny_tokenizer: Any) -> None:
+    """A prompt of several pieces: their count is within the cuts' slack of the exact count; far
+    past the context it is refused by it ("at least"), within it the ids are exact."""
+    text = "the cat adds 12+7=  and  answers 19; " * 20_000  # 740k characters: 3 pieces
+    backend = rust_tokenizer(tiny_tokenizer)
+    counted, cuts = count_in_pieces(backend, text)
+    exact = len(backend.encode_batch([text], add_special_tokens=False)[0])
+    print(f"\n{cuts} cuts: counted {counted}, exact {exact}; slack {cuts * CUT_SLACK_TOKENS}")
+    assert cuts == len(text) // COUNT_CHUNK_CHARS and abs(counted - exact) <= cuts * CUT_SLACK_TOKENS
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": text}])
+    with pytest.raises(PromptTooLong, match=r"prompt \(at least \d+ tokens\) leaves no room") as e:
+        render_prompt(tiny_tokenizer, req, 4096)
+    assert e.value.field == "messages"
+    expected = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert render_prompt(tiny_tokenizer, req, len(expected) + 1) == list(expected)
+
+
+def test_trim_heap_returns_freed_memory_to_the_system() -> None:
+    """glibc keeps freed memory below a live block in the process (the heap is trimmed at its
+    top only); ``trim_heap`` hands those pages back."""
+
+    def rss_mb() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    held = [bytes(100_000) for _ in range(2000)]  # 200 MB of blocks under the mmap threshold
+    pin = held.pop()  # the last block stays: the free space is not at the heap's top
+    held.clear()
+    before = rss_mb()
+    assert trim_heap()
+    after = rss_mb()
+    print(f"\nRSS {before:.0f} MB with 200 MB freed, {after:.0f} MB after trim_heap")
+    assert before - after > 100, (before, after)
+    del pin
 
 
 @given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5)), max_size=8))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -64,6 +65,8 @@ def vllm_cli_args(config: ServeConfig, port: int) -> list[str]:
         "--worker-extension-cls", WORKER_EXTENSION,
         "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
+        # on SIGTERM vLLM drains running requests this long, then aborts them
+        "--shutdown-timeout", str(math.ceil(config.shutdown_timeout_s)),
     ]  # fmt: skip
     if opts.get("prefix_caching", "0") != "1":
         # After an update a cached prefix would serve KV computed by the old weights.
@@ -121,7 +124,7 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http
 
-    from pipelinerl_sdk.kit.inference.serve import KEEP_ALIVE_S, install_contract
+    from pipelinerl_sdk.kit.inference.serve import EXIT_MARGIN_S, KEEP_ALIVE_S, exit_after, install_contract
 
     async with build_async_engine_client(args) as engine:
         backend._engine = engine
@@ -143,7 +146,11 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
             timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
             if "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" in os.environ
             else KEEP_ALIVE_S,
+            timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_timeout_s)),
         )
+        # serve_http returns once SIGTERM/SIGINT has drained (or the server stopped): what is
+        # left (uvicorn's connections, the backend, the engine's processes) is bounded too
+        exit_after(config.shutdown_timeout_s + EXIT_MARGIN_S)
         announce.cancel()
         await backend.stop()
     await shutdown

@@ -156,6 +156,41 @@ def test_unknown_option_exits_with_a_message(tiny_model: Path) -> None:
     assert r.returncode != 0 and "unknown option" in r.stderr, r.stderr[-2000:]
 
 
+@requires_vllm
+def test_sigterm_with_a_running_request_exits_within_the_shutdown_bound(tiny_model: Path) -> None:
+    """``--shutdown-timeout`` bounds vLLM's own server as it bounds the kit's: a SIGTERM while a
+    request has minutes of work left ends the process, its connection with it."""
+    import signal
+
+    srv = ServerProcess("vllm", tiny_model, env=ENV, args=["--shutdown-timeout", "1"], startup_timeout_s=600).start()
+    try:
+        hog = {"messages": PROMPT, "max_tokens": 2000, "ignore_eos": True, "n": 64}
+
+        async def body() -> tuple[int, float]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+                running = asyncio.ensure_future(http.post("/v1/chat/completions", json=hog))
+                while (await http.get("/info")).json()["requests_in_flight"] < 1:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+                assert not running.done(), "the request must still run when the signal comes"
+                assert srv.proc is not None
+                t0 = time.monotonic()
+                os.kill(srv.pid, signal.SIGTERM)
+                code = await asyncio.to_thread(srv.proc.wait, 60)  # minutes of work were in flight
+                took = time.monotonic() - t0
+                try:
+                    r = await running
+                    assert r.status_code >= 400, "the request cannot have finished its minutes of work"
+                except httpx.HTTPError:
+                    pass  # the connection ended with the process
+                return code, took
+
+        code, took = run(body)
+        print(f"\nvLLM exited {took:.1f} s after SIGTERM (shutdown bound 1 s + 5 s margin), status {code}")
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: this checks the message when it is missing")
 def test_missing_vllm_exits_with_a_message(tmp_path: Path) -> None:
     """The adapter installed (here: on the path) without vLLM: a clear error, exit 2, no hang."""

@@ -5,6 +5,9 @@ raw logprobs, one weight version per completion token) after it."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import functools
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -96,9 +99,12 @@ def refuse(req: ChatCompletionRequest, unsupported: Mapping[str, str]) -> None:
         )
 
 
-def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+def render_prompt(tokenizer: Any, req: ChatCompletionRequest, max_model_len: int | None = None) -> list[int]:
     """The request's messages (and ``tools``) through the chat template, with its
-    ``chat_template_kwargs``; InvalidRequest naming the field if the template refuses them."""
+    ``chat_template_kwargs``, tokenised as ``apply_chat_template(tokenize=True)`` does;
+    InvalidRequest naming the field if the template refuses them. A prompt that leaves no room
+    to generate in ``max_model_len`` is :class:`PromptTooLong`, found before its ids are made
+    Python objects (:func:`encode_prompt`)."""
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
@@ -106,17 +112,96 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     if req.tools:
         kwargs["tools"] = req.tools
     try:
-        encoded = tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             [m.for_template() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
             **kwargs,
         )
     except (TemplateError, TypeError, ValueError) as e:
         field = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
         raise InvalidRequest(f"{field}: the chat template refused the request: {e}", field=field) from e
-    return [int(t) for t in encoded]
+    return encode_prompt(tokenizer, str(text), max_model_len)
+
+
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind a transformers fast tokenizer when encoding with it
+    directly gives what the transformers call gives (no truncation or padding configured on it,
+    special tokens split alike); else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+#: Characters of a rendered prompt tokenised at once when it is counted in pieces.
+COUNT_CHUNK_CHARS = 1 << 18
+
+#: Tokens one cut between pieces may add to their count, generously: cut at a space before a
+#: word, a byte-level BPE with a GPT-2-style split counts the same, a SentencePiece one a prefix
+#: marker more.
+CUT_SLACK_TOKENS = 8
+
+
+def encode_prompt(tokenizer: Any, text: str, max_model_len: int | None = None) -> list[int]:
+    """The ids of a rendered prompt (no special tokens added, as ``apply_chat_template``).
+
+    A fast tokenizer is called through ``encode_batch``, which releases the GIL while it
+    tokenises (the event loop keeps serving), and a prompt that leaves no room in
+    ``max_model_len`` (:func:`check_prompt_length`) is refused by its length before its ids
+    become Python objects. A prompt of many pieces (:data:`COUNT_CHUNK_CHARS`) is first counted
+    piece by piece (:func:`count_in_pieces`): one far past the context is refused without ever
+    holding all its tokens, whose freeing alone holds the GIL for hundreds of milliseconds."""
+    backend = rust_tokenizer(tokenizer)
+    if backend is None:
+        ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        check_prompt_length(len(ids), max_model_len)
+        return ids
+    if max_model_len is not None and len(text) > COUNT_CHUNK_CHARS:
+        counted, cuts = count_in_pieces(backend, text)
+        if counted - cuts * CUT_SLACK_TOKENS >= max_model_len:
+            check_prompt_length(counted - cuts * CUT_SLACK_TOKENS, max_model_len, at_least=True)
+    (encoding,) = backend.encode_batch([text], add_special_tokens=False)
+    n = len(encoding)
+    if max_model_len is not None and n >= max_model_len:
+        del encoding  # freed here, on this thread: an exception's traceback would keep it alive
+        check_prompt_length(n, max_model_len)
+    return list(encoding.ids)
+
+
+def count_in_pieces(backend: Any, text: str) -> tuple[int, int]:
+    """(tokens, cuts): the sum of the token counts of ``text``'s pieces of about
+    :data:`COUNT_CHUNK_CHARS` characters, each cut at a space before a word where there is one,
+    tokenised one at a time (the GIL released while each is), and the number of cuts."""
+    counted = cuts = start = 0
+    while start < len(text):
+        end = min(start + COUNT_CHUNK_CHARS, len(text))
+        if end < len(text):
+            space = text.rfind(" ", start + COUNT_CHUNK_CHARS // 2, end)
+            while space > start and text[space - 1].isspace():
+                space -= 1
+            end = space if space > start else end
+            cuts += 1
+        (encoding,) = backend.encode_batch([text[start:end]], add_special_tokens=False)
+        counted += len(encoding)
+        del encoding
+        start = end
+    return counted, cuts
+
+
+def check_prompt_length(n: int, max_model_len: int | None, *, at_least: bool = False) -> None:
+    """PromptTooLong (field ``messages``) for a prompt of ``n`` tokens (``at_least`` ``n``) that
+    leaves no room to generate in ``max_model_len`` (None: no check)."""
+    if max_model_len is not None and max_model_len - n < 1:
+        raise PromptTooLong(
+            f"prompt ({'at least ' if at_least else ''}{n} tokens) leaves no room to generate in the context "
+            f"({max_model_len})",
+            field="messages",
+        )
 
 
 def prepare_chat(
@@ -133,13 +218,8 @@ def prepare_chat(
     if top and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", field="top_logprobs")
     check_text(req)
-    prompt_ids = render_prompt(tokenizer, req)
+    prompt_ids = render_prompt(tokenizer, req, max_model_len)
     room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise PromptTooLong(
-            f"prompt ({len(prompt_ids)} tokens) leaves no room to generate in the context ({max_model_len})",
-            field="messages",
-        )
     max_tokens = req.token_budget or room
     if max_tokens > room:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -179,8 +259,34 @@ async def plan_chat(
 ) -> ChatPlan:
     """:func:`prepare_chat` on a worker thread: the chat template and the tokenizer are CPU work
     that grows with the prompt, and on the event loop they would stall every other request
-    (``/health`` included) for as long."""
-    return await asyncio.to_thread(prepare_chat, tokenizer, req, max_model_len, unsupported=unsupported)
+    (``/health`` included) for as long. After a prompt of :data:`TRIM_AFTER_CHARS` or more the
+    C heap's free pages go back to the system (:func:`trim_heap`): the tokenizer's working memory
+    for it is many times the prompt's size."""
+    try:
+        return await asyncio.to_thread(prepare_chat, tokenizer, req, max_model_len, unsupported=unsupported)
+    finally:
+        if sum(len(str(m.for_template()["content"])) for m in req.messages) >= TRIM_AFTER_CHARS:
+            await asyncio.to_thread(trim_heap)
+
+
+#: Prompts of this many characters or more are followed by :func:`trim_heap`.
+TRIM_AFTER_CHARS = 1 << 20
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def trim_heap() -> bool:
+    """Return the free pages of every malloc arena to the system (glibc's ``malloc_trim``; False
+    where there is none). Freed memory otherwise stays in the process: a thread's arena keeps
+    what a big tokenisation used. The GIL is released during the call (ctypes)."""
+    try:
+        trim = _libc().malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
 
 
 def version_label(label: str | None) -> int:

@@ -159,28 +159,32 @@ async def serve_app(app: FastAPI, backend: InferenceBackend, config: ServeConfig
     await serving
 
 
-def bounded_exit(server: Any, deadline_s: float) -> None:
-    """SIGTERM and SIGINT (uvicorn's handler while it serves, ours before) shut uvicorn
-    ``server`` down, and end the process ``deadline_s`` after the first if it is still alive (a
-    thread stuck in a collective or a C call cannot be cancelled)."""
-    armed: list[threading.Timer] = []
+def exit_after(deadline_s: float) -> threading.Timer:
+    """End the process (exit status 1) ``deadline_s`` from now unless it has ended by then: the
+    bound on a shutdown that a thread stuck in a collective or a C call could hold for ever."""
 
     def force() -> None:
         log.error("shutdown still not done %.0f s after the signal: exiting now", deadline_s)
         logging.shutdown()
         os._exit(1)
 
-    def arm() -> None:
-        if not armed:
-            armed.append(threading.Timer(deadline_s, force))
-            armed[0].daemon = True
-            armed[0].start()
+    timer = threading.Timer(deadline_s, force)
+    timer.daemon = True
+    timer.start()
+    return timer
 
+
+def bounded_exit(server: Any, deadline_s: float) -> None:
+    """SIGTERM and SIGINT (uvicorn's handler while it serves, ours before) shut uvicorn
+    ``server`` down, and end the process ``deadline_s`` after the first if it is still alive
+    (:func:`exit_after`)."""
+    armed: list[threading.Timer] = []
     uvicorn_handler = server.handle_exit
 
     def handle_exit(sig: int, frame: Any) -> None:
         uvicorn_handler(sig, frame)
-        arm()
+        if not armed:
+            armed.append(exit_after(deadline_s))
 
     server.handle_exit = handle_exit  # uvicorn installs self.handle_exit while it serves
     signal.signal(signal.SIGTERM, handle_exit)
