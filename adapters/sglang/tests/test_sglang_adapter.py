@@ -328,9 +328,7 @@ def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(
     """The old trainer asked for an update and never decided: a new trainer's
     ``/init_process_group`` ends it at once (``cancel_waiting_update``) instead of a 409 for the
     update's whole timeout (120 s here), and the new trainer's update is applied."""
-    from pipelinerl_sdk.conformance.inference import update_body
-    from pipelinerl_sdk.errors import ServerError
-    from pipelinerl_sdk.protocol import WeightUpdateRequest
+    from pipelinerl_sdk.testing.security import replace_a_waiting_trainer
 
     mirror = Mirror(tiny_model, "float32")
     url, token = sglang_server.url, sglang_server.control_token
@@ -340,19 +338,8 @@ def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(
             InferenceClient(url, control_token=token) as old_client,
             InferenceClient(url, control_token=token) as new_client,
         ):
-            old = WeightPublisher([old_client], bucket_bytes=1 << 20, timeout_s=30)
-            await old.connect()
-            info = await old_client.info()
-            req = WeightUpdateRequest.model_validate(
-                update_body(info, info.version + 1, bucket_bytes=1 << 20, timeout_s=120)
-            )
-            call = old_client.request_weight_update(req)
-            await asyncio.wait_for(call.accepted, 60)  # waiting for a decision that never comes
-            new = WeightPublisher([new_client], bucket_bytes=1 << 20, timeout_s=60)
-            await new.connect()
-            with pytest.raises(ServerError) as err:
-                await asyncio.wait_for(call.final, 30)
-            assert "replaced the group" in str(err.value), err.value
+            old, new, error = await replace_a_waiting_trainer(old_client, new_client, bucket_bytes=1 << 20)
+            assert "replaced the group" in error, error
             info = await new_client.info()
             mirror.perturb(seed=info.version + 200)
             async with new.update(info.version + 1, info.params) as sink:
