@@ -29,7 +29,7 @@ from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
-from pipelinerl_sdk.testing.security import forge, outsider
+from pipelinerl_sdk.testing.security import forge, outsider, replace_a_waiting_trainer
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.receive import update_key
 
@@ -168,17 +168,9 @@ def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(server: Any,
             InferenceClient(server.url, control_token=server.control_token) as old_client,
             InferenceClient(server.url, control_token=server.control_token) as new_client,
         ):
-            old = WeightPublisher([old_client], bucket_bytes=64 << 10, timeout_s=10)
-            await old.connect()
             info = await old_client.info()
-            req = WeightUpdateRequest.model_validate(update_body(info, info.version + 1, timeout_s=120))
-            call = old_client.request_weight_update(req)
-            await asyncio.wait_for(call.accepted, 30)  # waiting for a decision that never comes
-            new = WeightPublisher([new_client], bucket_bytes=64 << 10, timeout_s=10)
-            await new.connect()
-            with pytest.raises(ServerError) as err:
-                await asyncio.wait_for(call.final, 30)
-            assert "replaced the group" in str(err.value), err.value
+            old, new, error = await replace_a_waiting_trainer(old_client, new_client, bucket_bytes=64 << 10)
+            assert "replaced the group" in error, error
             await publish(new, trainer, info.version + 1)
             assert (await new_client.info()).version == info.version + 1
             await old.close()

@@ -180,6 +180,11 @@ class SGLangInferenceBackend(KitBackend):
         self._decisions = decisions
         return self.book.join(req, self._tp)
 
+    def cancel_waiting_update(self, reason: str) -> bool:
+        """An update still waiting for its trainer's decision (read here, never inside SGLang, so
+        nothing was asked of SGLang yet) ends at once with UpdateAborted naming ``reason``."""
+        return self._decisions is not None and bool(self._decisions.cancel_wait(reason))
+
     def validate_update(self, req: wire.WeightUpdateRequest) -> None:
         """The SDK's checks, then one of SGLang's: each bucket must be the plain concatenation of
         its params (a flattened bucket carries no alignment padding), true whenever every param's

@@ -318,6 +318,39 @@ def test_generation_waits_for_a_direct_receive(
     run(body)
 
 
+# --- a replaced trainer's update that waits for its decision ---------------------------------------
+
+
+@requires_sglang
+def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(
+    sglang_server: ServerProcess, tiny_model: Path
+) -> None:
+    """The old trainer asked for an update and never decided: a new trainer's
+    ``/init_process_group`` ends it at once (``cancel_waiting_update``) instead of a 409 for the
+    update's whole timeout (120 s here), and the new trainer's update is applied."""
+    from pipelinerl_sdk.testing.security import replace_a_waiting_trainer
+
+    mirror = Mirror(tiny_model, "float32")
+    url, token = sglang_server.url, sglang_server.control_token
+
+    async def body() -> None:
+        async with (
+            InferenceClient(url, control_token=token) as old_client,
+            InferenceClient(url, control_token=token) as new_client,
+        ):
+            old, new, error = await replace_a_waiting_trainer(old_client, new_client, bucket_bytes=1 << 20)
+            assert "replaced the group" in error, error
+            info = await new_client.info()
+            mirror.perturb(seed=info.version + 200)
+            async with new.update(info.version + 1, info.params) as sink:
+                await asyncio.to_thread(mirror.send_all, sink, info.params)
+            assert (await new_client.info()).version == info.version + 1
+            await old.close()
+            await new.close()
+
+    run(body)
+
+
 # --- the probe: one flat broadcast received by SGLang's own group, then dropped --------------------
 
 
