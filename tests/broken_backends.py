@@ -34,11 +34,12 @@ from pipelinerl_sdk.contracts import (
     validate_update_request,
 )
 from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
-from pipelinerl_sdk.kit.inference.chat import ChatPlan
-from pipelinerl_sdk.kit.inference.stream import TokenStep
+from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
+from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 from pipelinerl_sdk.protocol import (
     ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
@@ -581,6 +582,19 @@ class DropsAChunk(ReferenceInferenceBackend):
         return dropping()
 
 
+class StreamsStopStrings(ReferenceInferenceBackend):
+    """Stops on stop strings, but streams text as if there were none (no hold back, no cut):
+    the stop string's text goes out before the stream ends.
+
+    Caught by ``test_streamed_deltas_add_up_to_the_non_streamed_text``: "with stop="."""
+
+    async def chat_completion_stream(self, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len)
+        samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
+        blind = req.model_copy(update={"stop": None})  # the bug: the text rule never sees the stop strings
+        return chat_chunks(self.tokenizer, self.model_name, blind, plan, samples, self.ending_ids(req))
+
+
 #: Backend name -> (class name, capabilities); the standard checks catch each of these.
 CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-updates": ("IgnoresUpdates", INFERENCE),
@@ -607,6 +621,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
     "broken-drops-a-chunk": ("DropsAChunk", INFERENCE),
+    "broken-streams-stop-strings": ("StreamsStopStrings", INFERENCE),
 }
 
 #: Broken backends no standard check catches yet.

@@ -187,6 +187,11 @@ EXPECTED: dict[str, Expectation] = {
         "test_streamed_deltas_add_up_to_the_non_streamed_text",
         "streamed deltas add up to",
     ),
+    "broken-streams-stop-strings": Expectation(
+        "test_streamed_deltas_add_up_to_the_non_streamed_text",
+        "test_streamed_deltas_add_up_to_the_non_streamed_text",
+        "with stop=",
+    ),
 }
 assert set(EXPECTED) == set(CAUGHT_BACKENDS), "every caught broken backend needs an expectation"
 

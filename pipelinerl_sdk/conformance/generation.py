@@ -11,8 +11,9 @@ the schema. Each is gated on the capability the backend declares.
   most repeated token. Exact.
 - ``streaming``: the chunks of a seeded sampled request (``n`` 2, logprobs, token ids) add up,
   per choice, to the same request's non-streamed text, token ids, logprobs and weight versions,
-  with the finish reason on the last content chunk only. Exact (no tolerance): one token dropped
-  or sent twice is a failure.
+  with the finish reason on the last content chunk only; with ``stop_strings`` declared, the same
+  for a greedy request with a stop string. Exact (no tolerance): one token dropped or sent
+  twice, or one character of a stop string streamed, is a failure.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ class GenerationChecks:
         """``stream=true``: a seeded sampled request (n 2, logprobs, token ids, usage) streamed
         gives, per choice, the deltas whose concatenation is the non-streamed text, and token
         ids, logprobs and weight versions (one per token) equal to the non-streamed ones; the
-        role comes first, the finish reason on the last content chunk, usage last. Exact."""
+        role comes first, the finish reason on the last content chunk, usage last. With
+        ``stop_strings`` declared, the same holds for a greedy request with a stop string (no
+        character of it streamed). Exact."""
         body = {
             "messages": PROMPT,
             "max_tokens": TOKENS,
@@ -148,13 +151,21 @@ class GenerationChecks:
                 chunks = [c async for c in client.chat_stream({**body, "stream_options": {"include_usage": True}})]
             check_stream(whole.choices, chunks)
             assert chunks[-1].usage == whole.usage, f"usage chunk {chunks[-1].usage} != non-streamed {whole.usage}"
+            if not server_under_test.capabilities.stop_strings:
+                return
+            async with server_under_test.client() as client:  # a stop string: never streamed past
+                greedy = {**body, "temperature": 0, "n": 1, "ignore_eos": True}
+                stop, _ = stop_string_of((await client.chat(greedy)).choices[0].message.content)
+                cut = await client.chat({**greedy, "stop": [stop]})
+                cut_chunks = [c async for c in client.chat_stream({**greedy, "stop": [stop]})]
+            check_stream(cut.choices, cut_chunks, f"with stop={stop!r}: ")
 
         arun(body_)
 
 
-def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk]) -> None:
-    """AssertionError naming the first difference between ``chunks`` and the non-streamed
-    ``choices`` of the same request (the conformance check's comparison)."""
+def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk], what: str = "") -> None:
+    """AssertionError (its message led by ``what``) naming the first difference between
+    ``chunks`` and the non-streamed ``choices`` of the same request."""
     assert chunks and all(c.delta.role == "assistant" for c in chunks[0].choices), "the first chunk is not the role's"
     for choice in choices:
         mine = [c for ch in chunks[1:] for c in ch.choices if c.index == choice.index]
@@ -164,7 +175,7 @@ def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk]) -
         lps = [t.logprob for c in mine for t in (c.logprobs.content if c.logprobs else [])]
         want_lps = [t.logprob for t in choice.logprobs.content] if choice.logprobs else []
         assert text == choice.message.content, (
-            f"choice {choice.index}: streamed deltas add up to {len(text)} characters {text!r}, the non-streamed "
+            f"{what}choice {choice.index}: streamed deltas add up to {len(text)} characters {text!r}, the non-streamed "
             f"text has {len(choice.message.content)}: {choice.message.content!r}"
         )
         assert ids == choice.token_ids, (

@@ -442,20 +442,22 @@ def build_router(
             raise
         return EventStream(_sse(chunks, served), release=held.close)
 
+    async def serve_generation(
+        req: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        whole: Callable[[Any], Awaitable[Any]],
+        streamed: Callable[[Any], Awaitable[AsyncIterator[Any]]],
+    ) -> Response:
+        if req.model is not None and req.model not in (served, backend.model_name):
+            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
+        return await (stream(req, streamed) if req.stream else generate(req, request, whole))
+
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        if req.model is not None and req.model not in (served, backend.model_name):
-            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
-        if req.stream:
-            return await stream(req, backend.chat_completion_stream)
-        return await generate(req, request, backend.chat_completion)
+        return await serve_generation(req, request, backend.chat_completion, backend.chat_completion_stream)
 
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        if req.model is not None and req.model not in (served, backend.model_name):
-            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
-        if req.stream:
-            return await stream(req, backend.completion_stream)
-        return await generate(req, request, backend.completion)
+        return await serve_generation(req, request, backend.completion, backend.completion_stream)
 
     if backend.capabilities.completions:  # else an engine's own route (vLLM's) stays in place
         router.post("/v1/completions")(completions)
