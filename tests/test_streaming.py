@@ -26,6 +26,8 @@ from pipelinerl_sdk.protocol import ChatCompletionRequest
 
 API_KEY = "sk-test-stream"
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me about fish."}]
+#: Tokens of a stream that must still be running when the test acts on it (seconds of decoding).
+LONG = 4000
 
 
 # --- the release rule, without a server ------------------------------------------------------------
@@ -89,7 +91,7 @@ def test_streamed_text_adds_up_to_the_non_streamed_text(
 
 @pytest.fixture(scope="module")
 def served(tiny_model: Path) -> Iterator[ServerProcess]:
-    opts: dict[str, object] = {"threads": 1, "max_model_len": 256}
+    opts: dict[str, object] = {"threads": 1, "max_model_len": LONG + 64}
     with ServerProcess("reference", tiny_model, api_key=API_KEY, startup_timeout_s=120, options=opts) as proc:
         yield proc
 
@@ -175,13 +177,15 @@ def test_stream_honours_stop_strings(client: openai.OpenAI) -> None:
 def test_client_that_leaves_frees_its_admission(served: ServerProcess) -> None:
     """A client that reads one event of a long stream and disconnects: the server's admitted
     requests and tokens go back to 0 (the request was cancelled, not left running)."""
-    body = {"messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"messages": MESSAGES, "max_tokens": LONG, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=served.url, headers=headers, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             line = next(resp.iter_lines())
             assert line.startswith("data: ") and json.loads(line[6:])["object"] == "chat.completion.chunk"
+            live = http.get("/info").json()
+            assert (live["requests_in_flight"], live["tokens_in_flight"]) == (1, LONG), live  # still streaming
         deadline = time.monotonic() + 30
         info: dict[str, Any] = {}
         while time.monotonic() < deadline:
