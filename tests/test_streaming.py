@@ -182,7 +182,8 @@ def test_client_that_leaves_frees_its_admission(served: ServerProcess) -> None:
     with httpx.Client(base_url=served.url, headers=headers, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
-            line = next(resp.iter_lines())
+            lines = resp.iter_lines()  # kept: a dropped line iterator closes the response (the client leaves)
+            line = next(lines)
             assert line.startswith("data: ") and json.loads(line[6:])["object"] == "chat.completion.chunk"
             live = http.get("/info").json()
             assert (live["requests_in_flight"], live["tokens_in_flight"]) == (1, LONG), live  # still streaming
