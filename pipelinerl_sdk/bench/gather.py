@@ -240,6 +240,8 @@ async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[
             with AllocationPeak() as peak:
                 trainer.gather_and_broadcast(sender)  # on this thread: the profiler sees it
         buffers = publisher.buffer_bytes
+        assert publisher.last is not None
+        buckets = publisher.last.send.buckets
     finally:
         await publisher.close()
         await client.aclose()
@@ -255,7 +257,7 @@ async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[
         "gather_broadcast_s": gather_med,
         "flat_broadcast_s": flat_med,
         "update_over_flat_broadcast": gather_med / flat_med,
-        "buckets": publisher.last.send.buckets,
+        "buckets": buckets,
         "update_wall_s": statistics.median(wall_s),
         "peak_extra_bytes": peak.bytes,
         "allocated_bytes": peak.allocated,
