@@ -158,8 +158,10 @@ class UnitGather:
         self._out: torch.Tensor | None = None
         self._work: Any = None
         self._per_rank = 0
-        #: Another unit's gather may start while this one's tensors are handed out.
-        self.prefetch = True
+        #: Another unit's gather may start while this one's tensors are handed out (not on gloo:
+        #: the next unit's all-gather would hold its output and gloo's temporary beside this
+        #: unit's tensors, even when this unit needed no collective).
+        self.prefetch = not (dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo")
         group: Any = None
         for i, (_, p) in enumerate(self._params):
             shard = shard_of(p)
@@ -178,6 +180,8 @@ class UnitGather:
             raw = shard.local.reshape(-1).view(torch.uint8)[: shard.chunk * shard.row_bytes]
             mine[offset : offset + raw.numel()].copy_(raw)
         self._out = out
+        if world == 1:  # the copy above was the whole gather
+            return
         self._work = dist.all_gather_single(out, mine, group=group, async_op=True)
         # gloo all-gathers into a temporary of the whole output, then copies: a unit in flight
         # costs two units there, so no second one may be started beside it
