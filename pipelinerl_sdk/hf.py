@@ -85,7 +85,7 @@ def layer_units(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn.Par
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     owner: dict[int, str] = {}
     for mname, module in model.named_modules():
-        if type(module).__name__ in kinds:
+        if any(c.__name__ in kinds for c in type(module).__mro__):  # FSDP2 subclasses the layer's class
             for p in module.parameters():
                 owner.setdefault(id(p), mname)
     unit: list[tuple[str, torch.nn.Parameter]] = []

@@ -74,7 +74,7 @@ class LocalGradsTrainer(ReferenceTrainer):
 class WholeModelGatherTrainer(ReferenceTrainer):
     """Gathers the whole model first (a full state dict copy, the easy way to "gather then
     broadcast") and only then hands the tensors over: right names, right values, and a peak of a
-    whole model instead of one layer. Caught by ``test_gather_peak_memory_is_one_layer``."""
+    whole model instead of two layers. Caught by ``test_gather_peak_memory_is_two_layers``."""
 
     def gather_and_broadcast(self, sink: WeightSink | None) -> None:
         full = {name: p.detach().clone() for name, p in self._require()[0].named_parameters()}
@@ -217,8 +217,8 @@ CAUGHT_BY: dict[str, tuple[str, str]] = {
         "rank 0 of 2, step 1 vs the summed gradient: reported grad norm",
     ),
     "broken-whole-model-gather": (
-        "test_gather_peak_memory_is_one_layer",
-        "the gather holds more than one layer at a time",
+        "test_gather_peak_memory_is_two_layers",
+        "the gather holds more than two layers at a time",
     ),
     "broken-ignores-clip": (
         "test_clipped_steps_equal_adamw_with_clip_grad_norm",

@@ -53,8 +53,9 @@ PARAM_ATOL = 1e-6
 #: Reported grad norm vs the reference's total grad norm (relative).
 GRAD_NORM_RTOL = 1e-5
 #: Allocations a gather may make beyond its bound without failing the memory check (the
-#: profiler's and Python's own small allocations).
-GATHER_PEAK_SLACK_BYTES = 256 << 10
+#: profiler's and Python's own small allocations). Small beside the tiny model's lm_head
+#: (256 KiB): with two layers allowed, the whole tiny model is only its lm_head above the bound.
+GATHER_PEAK_SLACK_BYTES = 64 << 10
 #: Hyper-parameters of the step checks: betas off the defaults (a backend that drops them fails
 #: at the second step), weight decay on (a backend that drops it or couples it fails), no clipping.
 STEP_HPARAMS: Mapping[str, Any] = {
@@ -162,9 +163,10 @@ class PreallocatedSink:
 @dataclass(frozen=True, slots=True)
 class GatherPeak:
     """Rank 0's extra peak memory during one ``gather_and_broadcast`` into a
-    :class:`PreallocatedSink`, and the bound it is judged by: the largest gather unit (a decoder
-    layer, or a param outside the layers) plus the largest param (one tensor in flight to the
-    sink: the "bucket" of a sender that copies per param)."""
+    :class:`PreallocatedSink`, and the bound it is judged by: two of the largest gather unit (a
+    decoder layer, or a param outside the layers: the unit being handed out and the next one's
+    all-gather in flight) plus the largest param (one tensor in flight to the sink: the "bucket"
+    of a sender that copies per param)."""
 
     peak_bytes: int
     largest_unit_bytes: int
@@ -172,12 +174,12 @@ class GatherPeak:
 
     @property
     def bound_bytes(self) -> int:
-        return self.largest_unit_bytes + self.largest_param_bytes
+        return 2 * self.largest_unit_bytes + self.largest_param_bytes
 
     def describe(self) -> str:
         mb = 1 / (1 << 20)
         return (
-            f"extra peak {self.peak_bytes * mb:.2f} MiB during gather_and_broadcast; bound: largest layer "
+            f"extra peak {self.peak_bytes * mb:.2f} MiB during gather_and_broadcast; bound: 2 x largest layer "
             f"{self.largest_unit_bytes * mb:.2f} MiB + largest param {self.largest_param_bytes * mb:.2f} MiB"
         )
 
@@ -201,7 +203,7 @@ def measure_gather_peak(trainer: TrainerBackend, *, is_rank0: bool = True) -> Ga
 
 def assert_gather_peak_bounded(peak: GatherPeak, what: str) -> None:
     assert peak.peak_bytes <= peak.bound_bytes + GATHER_PEAK_SLACK_BYTES, (
-        f"{what}: {peak.describe()}: the gather holds more than one layer at a time"
+        f"{what}: {peak.describe()}: the gather holds more than two layers at a time"
     )
 
 
@@ -643,12 +645,13 @@ class TrainerContractTests:
         for n, p in fresh.named_parameters():
             assert bitwise_equal(p.detach(), sink.tensors[n]), f"{n}: not loaded bit for bit"
 
-    def test_gather_peak_memory_is_one_layer(
+    def test_gather_peak_memory_is_two_layers(
         self, trainer_target: TrainerTarget, conformance_model: Path, dtype: str, record_property: Any
     ) -> None:
         """``gather_and_broadcast`` streams: rank 0's extra peak memory (every torch allocation
-        and free replayed in time order, after a warm-up gather) stays within the largest gather
-        unit (a decoder layer, or a param outside the layers) plus the largest param, into a sink
+        and free replayed in time order, after a warm-up gather) stays within two of the largest
+        gather unit (a decoder layer, or a param outside the layers: one handed out, the next in
+        flight) plus the largest param, into a sink
         that copies into a buffer allocated up front, as the SDK's bucketed sender does. A
         backend that gathers the whole model (a full state dict) before sending fails. The
         figures are recorded as properties (``gather_peak_bytes``, ``gather_bound_bytes``)."""
@@ -792,12 +795,12 @@ class TrainerContractTests:
             )
 
     @pytest.mark.requires("world_size:2")
-    def test_world_size_2_gather_stays_within_one_layer(
+    def test_world_size_2_gather_stays_within_two_layers(
         self, trainer_target: TrainerTarget, conformance_model: Path, record_property: Any
     ) -> None:
         """At world size 2 (sharded backends gather for real here), rank 0's extra peak memory
         during ``gather_and_broadcast`` stays within the same bound as at world size 1: the
-        largest layer plus the largest param (see ``test_gather_peak_memory_is_one_layer``)."""
+        two largest layers plus the largest param (see ``test_gather_peak_memory_is_two_layers``)."""
         peak = world_size_runs(trainer_target, conformance_model).ws2[0]["gather_peak"]
         assert isinstance(peak, GatherPeak), "rank 0 measured no gather"
         record_property("gather_peak_bytes", peak.peak_bytes)

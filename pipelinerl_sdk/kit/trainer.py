@@ -37,7 +37,9 @@ What the kit owns, in the order ``init`` runs it:
   shards, a DTensor norm made full, then clip to exactly ``spec.grad_clip``; None: no clipping,
   the norm is still reported), then the optimizer step and zeroed gradients;
 - **weights out**: :meth:`~KitTrainer.full_params` yields full tensors under HF names in
-  ``param_specs()`` order, one gather unit at a time; ``gather_and_broadcast`` hands them to the
+  ``param_specs()`` order, one gather unit (a decoder layer) at a time, each unit with one
+  all-gather and the next unit's all-gather in flight meanwhile (:func:`stream_units`, the helper
+  every sharded trainer uses); ``gather_and_broadcast`` hands them to the
   sink on rank 0 (with :func:`~pipelinerl_sdk.contracts.lend` when ``lends_params``) and
   ``state_dict_hf`` copies them to CPU on every rank;
 - **close**: :meth:`~KitTrainer.release` (the engine's own teardown), then drop model and optimizer,
@@ -55,12 +57,13 @@ trainer that averages.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pipelinerl_sdk.contracts import (
     Objective,
@@ -74,7 +77,18 @@ from pipelinerl_sdk.contracts import (
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import hf_name, spec_of
 
-__all__ = ["FullParamsOut", "KitTrainer", "adamw", "clip_global_norm", "full_tensor"]
+__all__ = [
+    "FlatShard",
+    "FullParamsOut",
+    "KitTrainer",
+    "PendingUnit",
+    "UnitGather",
+    "adamw",
+    "clip_global_norm",
+    "dtensor_shard",
+    "full_tensor",
+    "stream_units",
+]
 
 
 def adamw(spec: TrainerSpec, params: Sequence[torch.nn.Parameter]) -> torch.optim.AdamW:
@@ -89,6 +103,155 @@ def full_tensor(p: torch.Tensor) -> torch.Tensor:
     """The full value of a parameter: a DTensor is all-gathered (a collective: every rank calls
     it), a plain tensor is returned detached."""
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+U = TypeVar("U")
+
+
+@dataclass(frozen=True, slots=True)
+class FlatShard:
+    """How a param is split over the ranks of ``group``: its full value, flattened to ``rows`` rows
+    of ``row_bytes`` bytes, is the concatenation in rank order of ``chunk`` rows per rank (the
+    last ranks' shorter or empty: only the first ``rows`` count); ``local`` holds this rank's
+    rows (contiguous, at most ``chunk``, any padding past ``rows`` ignored)."""
+
+    local: torch.Tensor
+    chunk: int
+    rows: int
+    row_bytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: Any
+
+
+def dtensor_shard(p: torch.Tensor) -> FlatShard | None:
+    """The :class:`FlatShard` of a DTensor sharded on dim 0 of a 1-D mesh the way FSDP2 shards
+    (``torch.chunk``: ``ceil(rows / world)`` rows per rank); None for anything else."""
+    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.dim() == 0:
+        return None
+    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    rows = p.shape[0]
+    chunk = -(-rows // world)
+    local = p.to_local().detach()
+    if tuple(local.shape) != (max(0, min(chunk, rows - rank * chunk)), *p.shape[1:]) or not local.is_contiguous():
+        return None
+    row_bytes = (p.numel() // rows if rows else 0) * p.element_size()
+    return FlatShard(local, chunk, rows, row_bytes, tuple(p.shape), p.dtype, p.device_mesh.get_group())
+
+
+class UnitGather:
+    """One gather unit's all-gather, started on construction: every param of the unit that
+    ``shard_of`` describes (default :func:`dtensor_shard`: FSDP2's layout), all in one group, goes
+    out in ONE asynchronous ``all_gather_single`` of the unit's flat shard (in place: this rank's
+    slice of the output is the input, so the only allocation is the output, one unit);
+    :meth:`tensors` waits for it and yields each full tensor, copied out of the output one at a
+    time. Any other param is yielded as :func:`full_tensor` makes it (a DTensor: a collective
+    each) when its turn comes. Every rank must build the same units in the same order."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, torch.Tensor]],
+        shard_of: Callable[[torch.Tensor], FlatShard | None] = dtensor_shard,
+    ) -> None:
+        self._params = list(params)
+        self._slots: dict[int, tuple[int, FlatShard]] = {}  # index -> (byte offset in a rank's part, shard)
+        self._out: torch.Tensor | None = None
+        self._work: Any = None
+        self._per_rank = 0
+        #: Another unit's gather may start while this one's tensors are handed out (not on gloo:
+        #: the next unit's all-gather would hold its output and gloo's temporary beside this
+        #: unit's tensors, even when this unit needed no collective).
+        self.prefetch = not (dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo")
+        group: Any = None
+        for i, (_, p) in enumerate(self._params):
+            shard = shard_of(p)
+            if shard is None or (group is not None and shard.group != group):
+                continue
+            group = shard.group
+            self._slots[i] = (self._per_rank, shard)
+            self._per_rank += shard.chunk * shard.row_bytes
+        if not self._slots:
+            return
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        first = next(iter(self._slots.values()))[1]
+        out = torch.empty(world * self._per_rank, dtype=torch.uint8, device=first.local.device)
+        mine = out[rank * self._per_rank : (rank + 1) * self._per_rank]
+        for offset, shard in self._slots.values():
+            raw = shard.local.reshape(-1).view(torch.uint8)[: shard.chunk * shard.row_bytes]
+            mine[offset : offset + raw.numel()].copy_(raw)
+        self._out = out
+        if world == 1:  # the copy above was the whole gather
+            return
+        self._work = dist.all_gather_single(out, mine, group=group, async_op=True)
+        # gloo all-gathers into a temporary of the whole output, then copies: a unit in flight
+        # costs two units there, so no second one may be started beside it
+        self.prefetch = dist.get_backend(group) != "gloo"
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each param of the unit, full, in the unit's order (waits for the all-gather first)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        for i, (name, p) in enumerate(self._params):
+            slot = self._slots.get(i)
+            if slot is None:
+                yield name, full_tensor(p)
+                continue
+            assert self._out is not None
+            offset, shard = slot
+            chunk, rows, row_bytes = shard.chunk, shard.rows, shard.row_bytes
+            full = torch.empty(shard.shape, dtype=shard.dtype, device=self._out.device)
+            raw = full.view(-1).view(torch.uint8)
+            for r in range(-(-rows // chunk)):
+                n = min(chunk, rows - r * chunk) * row_bytes
+                src = r * self._per_rank + offset
+                raw[r * chunk * row_bytes : r * chunk * row_bytes + n].copy_(self._out[src : src + n])
+            yield name, full
+            del full, raw
+        self._out = None
+
+
+class PendingUnit(Protocol):
+    """A unit whose gather has started (what ``start`` of :func:`stream_units` returns)."""
+
+    #: Another unit's gather may start while this one's tensors are handed out.
+    prefetch: bool
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wait for the gather; then each full tensor of the unit, in order (a tensor is not
+        used after the next one is asked for; the unit's memory is freed at the end)."""
+        ...
+
+
+def stream_units(units: Iterable[U], start: Callable[[U], PendingUnit]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors of ``units``, in order: each unit's gather started by ``start`` (e.g.
+    :class:`UnitGather` of a list of (name, param): one collective), the next unit's gather
+    started as soon as the current one has arrived, so it runs while the caller sends the current
+    unit's tensors. At most
+    one unit ahead: the extra memory is two units' all-gather outputs plus the one tensor being
+    handed out. Not on gloo (:attr:`UnitGather.prefetch`): its all-gather allocates a temporary
+    copy of the output, so there units go one after the other (peak: the output, gloo's
+    temporary, one tensor). A collective: every rank iterates to the end."""
+    it = iter(units)
+    first = next(it, None)
+    if first is None:
+        return
+    current = start(first)
+    for unit in it:
+        if not current.prefetch:
+            yield from current.tensors()
+            current = start(unit)
+            continue
+        tensors = current.tensors()
+        head = next(tensors, None)  # waits for the current unit
+        ahead = start(unit)
+        if head is not None:
+            yield head
+            del head
+            yield from tensors
+        del tensors
+        current = ahead
+    yield from current.tensors()
 
 
 def clip_global_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
@@ -232,10 +395,13 @@ class KitTrainer(FullParamsOut, TrainerBackend):
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under HF names, in ``param_specs()`` order, gathered one unit at a time
-        (every rank iterates to the end: the gathers are collectives). Default: one param at a
-        time (:func:`full_tensor`)."""
-        for name, p in self.hf_module().named_parameters():
-            yield hf_name(name), full_tensor(p)
+        (every rank iterates to the end: the gathers are collectives). Default: the units of
+        :func:`~pipelinerl_sdk.hf.layer_units` (a decoder layer; each param outside the layers)
+        through :func:`stream_units` (one all-gather per unit, the next one in flight)."""
+        from pipelinerl_sdk.hf import layer_units
+
+        units = ([(hf_name(n), p) for n, p in unit] for unit in layer_units(self.hf_module()))
+        yield from stream_units(units, UnitGather)
 
     def release(self) -> None:
         """The engine's own teardown, first thing in ``close`` (default: nothing)."""

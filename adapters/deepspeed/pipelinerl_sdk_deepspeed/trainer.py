@@ -15,9 +15,14 @@ Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend
   the step uses the gradient of the objective *summed* over ranks and micro-batches;
 - ``step`` clips to exactly ``spec.grad_clip`` (DeepSpeed's ``gradient_clipping``, 0 = off; its
   default of 1.0 is never used); reports DeepSpeed's global (pre-clip) grad norm and the lr;
-- ``gather_and_broadcast``: ZeRO-3 enters ``GatheredParameters`` per decoder layer (and per
-  parameter outside the layers) on every rank: extra memory is one layer. ZeRO-1/2 hold full
-  parameters on every rank: rank 0 sends them directly.
+- ``gather_and_broadcast``: ZeRO-3 gathers one unit (a decoder layer; each parameter outside the
+  layers) at a time with one all-gather of the unit's ZeRO-3 partitions (``ds_tensor``, read only:
+  the kit's :class:`~pipelinerl_sdk.kit.trainer.UnitGather` with :func:`zero3_shard`, through
+  :func:`~pipelinerl_sdk.kit.trainer.stream_units`: the next unit in flight while this one is sent,
+  except on gloo): extra memory within two layers plus one param. (DeepSpeed's own
+  ``all_gather_coalesced`` also issues one collective per unit, but allocates an input copy
+  beside its output: 3.0 layers on gloo.) ZeRO-1/2 hold full parameters on every rank: rank 0
+  lends them (unchanged until the next ``step``).
 
 Options (``TrainerSpec.options``): ``zero_stage`` (1, 2 or 3), ``mixed_precision`` = ``"bf16"``
 (DeepSpeed's bf16 mode: bfloat16 module parameters, which are what ``param_specs`` reports and
@@ -37,7 +42,7 @@ import torch.distributed as dist
 
 from pipelinerl_sdk.contracts import TrainerSpec
 from pipelinerl_sdk.hf import layer_units, load_model
-from pipelinerl_sdk.kit.trainer import KitTrainer
+from pipelinerl_sdk.kit.trainer import FlatShard, KitTrainer, UnitGather, stream_units
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import dtype_name, hf_name
 from pipelinerl_sdk_deepspeed.capabilities import CAPABILITIES, ZERO1, ZERO2, ZERO3
@@ -50,6 +55,7 @@ __all__ = [
     "hf_name",
     "shm_op_builds_skipped",
     "skip_shm_op_build",
+    "zero3_shard",
 ]
 
 _skipped_builds = 0
@@ -71,6 +77,17 @@ def skip_shm_op_build() -> None:
 def shm_op_builds_skipped() -> int:
     """How many times DeepSpeed asked for the shm comm op in this process and was refused."""
     return _skipped_builds
+
+
+def zero3_shard(p: torch.Tensor) -> FlatShard | None:
+    """The :class:`~pipelinerl_sdk.kit.trainer.FlatShard` of a ZeRO-3 param: its partition
+    ``ds_tensor`` (the flattened param split in equal, padded parts over ``ds_process_group``),
+    the values DeepSpeed's own gathers read; None for a param that is not partitioned."""
+    part = getattr(p, "ds_tensor", None)
+    group = getattr(p, "ds_process_group", None)
+    if part is None or getattr(p, "ds_secondary_tensor", None) is not None:
+        return None
+    return FlatShard(part.data, part.numel(), int(p.ds_numel), p.element_size(), tuple(p.ds_shape), p.dtype, group)  # type: ignore[attr-defined]
 
 
 class DeepSpeedTrainer(KitTrainer):
@@ -151,20 +168,20 @@ class DeepSpeedTrainer(KitTrainer):
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def lendable(self, tensor: torch.Tensor) -> bool:
+        """ZeRO-1/2's replicated params stay unchanged until the next ``step``: lent."""
+        return self._stage < 3
+
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """ZeRO-1/2: the full params every rank holds. ZeRO-3: ``GatheredParameters`` per decoder
-        layer (and per param outside the layers) on every rank: extra memory is one layer."""
+        """ZeRO-1/2: the full params every rank holds. ZeRO-3: one unit at a time
+        (:class:`ZeroUnit`, through :func:`stream_units`): extra memory within two layers."""
         module = self.hf_module()
         if self._stage < 3:
             for name, p in module.named_parameters():
                 yield hf_name(name), p.detach()
             return
-        import deepspeed
-
-        for unit in layer_units(module):
-            with deepspeed.zero.GatheredParameters([p for _, p in unit], modifier_rank=None):
-                for name, p in unit:
-                    yield hf_name(name), p.detach()
+        units = ([(hf_name(n), p) for n, p in unit] for unit in layer_units(module))
+        yield from stream_units(units, lambda unit: UnitGather(unit, zero3_shard))
 
     def release(self) -> None:
         self._hf = None

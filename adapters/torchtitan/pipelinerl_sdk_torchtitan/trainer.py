@@ -17,10 +17,13 @@ Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend
 - ``step`` clips to exactly ``spec.grad_clip`` with TorchTitan's ``clip_grad_norm_`` (None: no
   clipping, the norm is still reported), steps, zeroes gradients;
 - ``gather_and_broadcast`` walks the model one unit at a time (embeddings, each decoder layer, final
-  norm, lm_head): ``DTensor.full_tensor()`` per parameter of the unit, the fused QKV split by
-  TorchTitan's own save hook, ``to_hf`` of that unit alone, and rank 0 hands each tensor to the sink
-  under its HF name in ``param_specs()`` order. Extra memory: one unit's full parameters (plus the
-  split copy of its QKV weight); the sink owns bucketing;
+  norm, lm_head): one all-gather of the unit's flat shard (the kit's
+  :class:`~pipelinerl_sdk.kit.trainer.UnitGather`, through
+  :func:`~pipelinerl_sdk.kit.trainer.stream_units`: the next unit in flight meanwhile, except on
+  gloo), the fused QKV split by TorchTitan's own save hook, ``to_hf`` of that unit alone, and rank 0
+  hands each tensor to the sink under its HF name in ``param_specs()`` order. Extra memory: the
+  unit's all-gather output and its full parameters (plus the split copy of its QKV weight), the
+  next unit's output where prefetching; the sink owns bucketing;
 - every FSDP unit reshards after forward (``fsdp_reshard_after_forward="always"``): TorchTitan's default
   keeps the last unit unsharded, and then a ``forward`` between ``backward`` and ``step`` loses part of
   the accumulated gradient;
@@ -38,7 +41,7 @@ divide ``num_key_value_heads``).
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,7 @@ from torchtitan.distributed.utils import clip_grad_norm_  # noqa: E402
 from torchtitan.models.common.attention import FusedQKVLinear  # noqa: E402
 
 from pipelinerl_sdk.contracts import TrainerSpec  # noqa: E402
-from pipelinerl_sdk.kit.trainer import KitTrainer, clip_global_norm  # noqa: E402
+from pipelinerl_sdk.kit.trainer import KitTrainer, UnitGather, clip_global_norm, stream_units  # noqa: E402
 from pipelinerl_sdk.protocol import ParamSpec  # noqa: E402
 from pipelinerl_sdk.weights.tensors import spec_of  # noqa: E402
 from pipelinerl_sdk_torchtitan.capabilities import CAPABILITIES  # noqa: E402
@@ -103,6 +106,20 @@ def titan_token_logprobs(model: torch.nn.Module, input_ids: Sequence[Sequence[in
     logits = logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return [logp[i, : len(s) - 1] for i, s in enumerate(input_ids)]
+
+
+class _TitanUnit:
+    """A unit's all-gather in flight; :meth:`tensors` converts the whole unit to HF names."""
+
+    def __init__(
+        self, gather: UnitGather, to_hf: Callable[[Iterator[tuple[str, torch.Tensor]]], dict[str, torch.Tensor]]
+    ) -> None:
+        self._gather = gather
+        self._to_hf = to_hf
+        self.prefetch = gather.prefetch
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._to_hf(self._gather.tensors()).items()
 
 
 class TorchTitanTrainer(KitTrainer):
@@ -241,13 +258,16 @@ class TorchTitanTrainer(KitTrainer):
             else:
                 yield f"{name}.", child
 
-    def _unit_hf(self, prefix: str, module: torch.nn.Module, full: bool) -> dict[str, torch.Tensor]:
-        """One unit's parameters under HF names: full tensors (a collective) or meta placeholders."""
+    def _unit_hf(
+        self, prefix: str, module: torch.nn.Module, full: Iterator[tuple[str, torch.Tensor]] | None
+    ) -> dict[str, torch.Tensor]:
+        """One unit's parameters under HF names: the ``full`` tensors (a gather's output, under
+        TorchTitan names) or, for None, meta placeholders."""
         titan: dict[str, Any] = {}
-        for name, p in module.named_parameters():
-            if full:
-                titan[prefix + name] = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            else:
+        if full is not None:
+            titan.update(full)
+        else:
+            for name, p in module.named_parameters():
                 titan[prefix + name] = torch.empty(p.shape, dtype=p.dtype, device="meta")
         for name, sub in module.named_modules():
             if isinstance(sub, FusedQKVLinear):  # TorchTitan's own save hook: wqkv -> wq, wk, wv
@@ -264,14 +284,19 @@ class TorchTitanTrainer(KitTrainer):
             self._specs = [
                 spec_of(name, t)
                 for prefix, unit in self._units(model)
-                for name, t in self._unit_hf(prefix, unit, False).items()
+                for name, t in self._unit_hf(prefix, unit, None).items()
             ]
         return list(self._specs)
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """One unit at a time: its full params, the fused QKV split, ``to_hf`` of that unit alone."""
-        for prefix, unit in self._units(self.model):
-            yield from self._unit_hf(prefix, unit, True).items()
+        """One unit at a time: its full params (one all-gather), the fused QKV split, ``to_hf`` of
+        that unit alone."""
+        return stream_units(self._units(self.model), self._start_unit)
+
+    def _start_unit(self, unit: tuple[str, torch.nn.Module]) -> _TitanUnit:
+        prefix, module = unit
+        gather = UnitGather([(prefix + n, p) for n, p in module.named_parameters()])
+        return _TitanUnit(gather, lambda full: self._unit_hf(prefix, module, full))
 
     def release(self) -> None:
         self.adapter = None
