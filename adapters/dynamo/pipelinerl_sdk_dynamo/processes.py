@@ -119,6 +119,18 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def _preexec(nice: int) -> Any:
+    """What a child runs before exec: :func:`_die_with_parent`, then ``nice`` (inherited by
+    every process and thread it starts: vLLM's engine core and its receive threads)."""
+
+    def run() -> None:
+        _die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return run
+
+
 class _suppress_lookup:
     def __enter__(self) -> None:
         return None
@@ -142,6 +154,8 @@ class ClusterConfig:
     vllm_args: Sequence[str] = ()
     python: str = sys.executable
     env: Mapping[str, str] = field(default_factory=dict)
+    #: The workers' niceness (their engine cores inherit it); the frontend keeps the server's.
+    worker_nice: int = 0
 
 
 class DynamoCluster:
@@ -163,7 +177,9 @@ class DynamoCluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _spawn(self, role: str, argv: list[str], env: Mapping[str, str], system_port: int | None = None) -> Proc:
+    def _spawn(
+        self, role: str, argv: list[str], env: Mapping[str, str], system_port: int | None = None, nice: int = 0
+    ) -> Proc:
         log = self.dir / f"{role}.log"
         with open(log, "wb") as out:
             # In the server's process group (a launcher that kills the group ends them too), and
@@ -174,7 +190,7 @@ class DynamoCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=dict(env),
-                preexec_fn=_die_with_parent,
+                preexec_fn=_preexec(nice),
             )
         return Proc(role, popen, log, system_port)
 
@@ -209,7 +225,9 @@ class DynamoCluster:
                 share = max(1, len(cpus) // self.cfg.workers)
                 mine = cpus[(i * share) % len(cpus) :][:share]
                 extra["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)
-            self.workers.append(self._spawn(f"worker{i}", self.worker_argv(), self._env(extra), port))
+            self.workers.append(
+                self._spawn(f"worker{i}", self.worker_argv(), self._env(extra), port, nice=self.cfg.worker_nice)
+            )
         self.frontend_port = free_port()
         argv = [
             self.cfg.python, "-m", "dynamo.frontend",

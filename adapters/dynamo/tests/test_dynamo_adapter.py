@@ -108,9 +108,14 @@ class TestDynamoCrossCheck(CrossCheckTests):
 
 
 def _scored(client: InferenceClient, max_tokens: int = 8) -> Any:
+    """Greedy, with logprobs, exactly ``max_tokens`` tokens (``ignore_eos``: whatever weights the
+    tests before left, an early end of sequence does not shorten the comparison)."""
     return client.chat(
-        {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": True, "return_token_ids": True}
-    )
+        {
+            "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "return_token_ids": True,
+        }
+    )  # fmt: skip
 
 
 def _pids_of(root: int) -> list[psutil.Process]:
@@ -132,7 +137,7 @@ def test_info_lists_every_worker_and_chat_comes_back_through_the_frontend(dynamo
             answers = await asyncio.gather(*(_scored(client) for _ in range(4)))
             ids = {tuple(a.choices[0].token_ids) for a in answers}
             assert len(ids) == 1 and all(set(a.choices[0].weight_versions) == {info.version} for a in answers)
-            assert len(next(iter(ids))) == 8
+            assert len(next(iter(ids))) == 8 and {a.choices[0].finish_reason for a in answers} == {"length"}
 
     run(body)
 

@@ -44,7 +44,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     version_label,
     versions_from_spans,
 )
-from pipelinerl_sdk_vllm.jobs import settled
+from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, wait_jobs
 from pipelinerl_sdk_vllm.plugin import CARD
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
@@ -122,31 +122,19 @@ class VLLMInferenceBackend(KitBackend):
         return self.book.join(req, self.workers)
 
     async def _wait_jobs(self, key: str, deadline: float, *, received: bool) -> float:
-        """Poll every worker until its job ``key`` has the trainer's ``go`` (or, with
-        ``received``, holds every byte); returns the slowest receive time. Raises UpdateAborted
-        (called off), GroupError (a worker's receive failed or timed out: the group is broken),
-        UpdateFailed (a worker lost the job)."""
-        while True:
-            waited = settled(list(await self._engine.collective_rpc("pipelinerl_status")), key, received=received)
-            if waited is not None:
-                return waited
-            if time.monotonic() > deadline:
-                raise GroupError(f"receive of {key} did not finish in time")
-            await asyncio.sleep(POLL_S)
+        """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over this engine's workers."""
+
+        async def statuses() -> list[dict[str, Any]]:
+            return list(await self._engine.collective_rpc("pipelinerl_status"))
+
+        return await wait_jobs(statuses, key, deadline, received=received, poll_s=POLL_S)
 
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         engine, key = self._engine, wire.update_key(req.version)
-        info = {
-            "op": "receive",
-            "version": req.version,
-            "params": [[p.name, p.dtype, list(p.shape)] for p in req.params],
-            "bucket_bytes": req.bucket_bytes,
-            "timeout_s": req.timeout_s,
-        }
-        # the decision wait, then each bucket bounded by the group's own timeout
-        deadline = time.monotonic() + req.timeout_s + 2 * self.require_group().timeout_s + 30
+        info = receive_info(req.version, req.params, req.bucket_bytes, req.timeout_s)
+        deadline = receive_deadline(req.timeout_s, self.require_group().timeout_s)
         session: list[bool] = []
 
         async def arm() -> None:

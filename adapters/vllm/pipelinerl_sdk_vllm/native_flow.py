@@ -29,6 +29,7 @@ import httpx
 
 from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
+from pipelinerl_sdk_vllm.jobs import receive_info
 
 __all__ = ["FLOW", "VLLMNativeFlow"]
 
@@ -45,14 +46,7 @@ class VLLMNativeFlow:
     buffers: dict[int, list[Any]] = field(default_factory=dict)
 
     async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
-        info: dict[str, Any] = {
-            "op": "receive",
-            "version": version,
-            "params": [[p.name, p.dtype, list(p.shape)] for p in target.specs],
-            "bucket_bytes": target.publisher.bucket_bytes,
-            "timeout_s": self.timeout_s,
-            "blocking": True,
-        }
+        info = receive_info(version, target.specs, target.publisher.bucket_bytes, self.timeout_s, blocking=True)
         async with httpx.AsyncClient(base_url=target.url, timeout=self.timeout_s + 30) as http:
 
             async def post(path: str, **kwargs: Any) -> None:

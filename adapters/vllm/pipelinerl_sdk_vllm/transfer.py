@@ -48,6 +48,9 @@ from pipelinerl_sdk.weights.receive import NonFiniteWeights, StagedWeights, Weig
 logger = init_logger(__name__)
 
 BACKEND_NAME = "pipelinerl"
+#: How long closing a session waits for its dropped job's thread to reach the decision wait (to
+#: cancel it there), and how long arming waits for a dropped job's thread to end.
+CALL_OFF_S = 5.0
 
 
 @dataclass
@@ -91,6 +94,8 @@ class _Job:
     staged: StagedWeights | None = None
     receive_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    #: Set when its session was closed before it received (why): it must not enter a broadcast.
+    called_off: str | None = None
 
 
 class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, PipelineRLUpdateInfo]):
@@ -103,6 +108,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         self.group: WeightSyncGroup | None = None
         self.receiver: WeightReceiver | None = None
         self.job: _Job | None = None
+        #: Jobs dropped (session closed) whose thread had not ended yet.
+        self.dropped: list[_Job] = []
         self.last_apply_s = 0.0
         self._lock = threading.Lock()
 
@@ -143,6 +150,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             raise RuntimeError("pipelinerl weight transfer: no group; call init_weight_transfer_engine first")
         if self.job is not None and self.job.state in ("deciding", "receiving"):
             raise RuntimeError(f"pipelinerl weight transfer: a receive is running ({self.job.key})")
+        self._reap_dropped()
         receiver = self.receiver
         if op == "receive":
             specs = [ParamSpec(name=n, dtype=d, shape=tuple(s)) for n, d, s in update_info.params]
@@ -152,6 +160,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             def work() -> None:
                 receiver.prepare(plan)
                 receiver.await_go(job.key, update_info.timeout_s)
+                if job.called_off is not None:  # a go meant for a later arm of the same version
+                    raise UpdateAborted(f"{job.key}: called off before the trainer's go: {job.called_off}")
                 job.state = "receiving"
                 staged = receiver.receive_decided(plan)
                 if self.device.type == "cuda":
@@ -161,7 +171,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         elif op == "probe":
             job = _Job("probe", probe_key(update_info.probe_id))
 
-            def work() -> None:
+            def work() -> None:  # (a probe's key is its own: no later go is meant for another)
                 job.receive_s = receiver.receive_flat(
                     update_info.nbytes, job.key, decision_timeout_s=update_info.timeout_s
                 )
@@ -195,6 +205,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         job = self.job
         if job is None or job.kind != "update" or job.state != "received" or job.staged is None:
             self.job = None
+            if job is not None:
+                self._call_off(job, "its weight-update session was closed")
             return
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -228,6 +240,40 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             },
             "last_apply_s": self.last_apply_s,
         }
+
+    def _call_off(self, job: _Job, reason: str) -> None:
+        """Drop ``job``, whose session closed before it received: it never enters a broadcast.
+
+        A dropped job still waiting for the trainer's decision would otherwise wait on: a later
+        update of the same version (the publisher re-sends the version a refused update did not
+        make live) posts ``go`` under the same key, and the dropped job would join that broadcast
+        beside the new one, two receives on one member: the trainer's broadcast then times out.
+        So its decision wait is cancelled (once its thread is in it: it may still be building its
+        views) and it is marked called off (should the cancel miss, it stops at the ``go``)."""
+        job.called_off = reason
+        thread, group = job.thread, self.group
+        if thread is None:
+            return
+        deadline = time.monotonic() + CALL_OFF_S
+        while thread.is_alive() and job.state == "deciding" and time.monotonic() < deadline:
+            if group is not None and group.cancel_decision_wait(f"{job.key}: {reason}"):
+                break
+            thread.join(0.005)
+        if thread.is_alive():
+            self.dropped.append(job)
+
+    def _reap_dropped(self) -> None:
+        """Before arming: every dropped job's thread has ended (waited for up to
+        :data:`CALL_OFF_S`); RuntimeError if one still runs (a receive cut off mid-broadcast
+        ends on the group's timeout), since two receives on one member would mix their buckets."""
+        deadline = time.monotonic() + CALL_OFF_S
+        for job in self.dropped:
+            if job.thread is not None:
+                job.thread.join(max(0.0, deadline - time.monotonic()))
+        self.dropped = [j for j in self.dropped if j.thread is not None and j.thread.is_alive()]
+        if self.dropped:
+            j = self.dropped[0]
+            raise RuntimeError(f"pipelinerl weight transfer: a dropped receive ({j.key}, {j.state}) has not ended yet")
 
     def _wait_idle(self, timeout_s: float = 5.0) -> None:
         job = self.job

@@ -1,0 +1,131 @@
+"""The SDK's vLLM weight-transfer engine (:mod:`pipelinerl_sdk_vllm.transfer`), worker side, in one
+process against a real trainer side (a gloo group of two over loopback): what becomes of a
+receive whose update session is closed before the trainer's ``go``.
+
+The engine is the real class, constructed as vLLM constructs it (its config objects reduced to
+the fields it reads); the group, the store, the decisions and the broadcast are the SDK's own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pipelinerl_sdk.protocol import ParamSpec, update_key
+from pipelinerl_sdk.weights.auth import new_group_secret
+from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.publisher import free_port
+from pipelinerl_sdk.weights.send import WeightSender
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed here: run in the env scripts/setup-vllm prints",
+)
+#: The group's timeout: a receive that misses buckets fails after this long.
+GROUP_TIMEOUT_S = 15.0
+
+
+@pytest.fixture
+def trainer_and_engine() -> Iterator[tuple[WeightSyncGroup, Any]]:
+    """The trainer's side (rank 0) and the worker's engine (rank 1), joined into one group."""
+    from pipelinerl_sdk_vllm.transfer import PipelineRLInitInfo, PipelineRLWeightTransferEngine
+
+    cfg = GroupConfig(f"tcp://127.0.0.1:{free_port()}", 0, 2, timeout_s=GROUP_TIMEOUT_S, secret=new_group_secret())
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+    )
+    engine = PipelineRLWeightTransferEngine(None, vllm_config, torch.device("cpu"), torch.nn.Linear(1, 1))
+    joined: Future[None] = Future()
+    t = threading.Thread(
+        target=lambda: joined.set_result(
+            engine.init_transfer_engine(PipelineRLInitInfo(request=cfg.invitation(1).model_dump(mode="json")))
+        )
+    )
+    t.start()
+    trainer = WeightSyncGroup(cfg)
+    t.join(60)
+    joined.result(timeout=1)
+    try:
+        yield trainer, engine
+    finally:
+        engine.shutdown()
+        trainer.close()
+
+
+def test_a_receive_dropped_before_the_go_never_joins_a_later_broadcast_of_its_version(
+    trainer_and_engine: tuple[WeightSyncGroup, Any],
+) -> None:
+    """An update armed on this worker, then refused elsewhere (the server closes this worker's
+    session: ``finish_weight_update`` without apply), then published again under the same
+    version, as a publisher does after a refusal: the dropped receive ends called off, the new
+    one alone receives the broadcast, every byte as sent. Without the call-off, the dropped job
+    still waited for that version's ``go``, took it, and joined the broadcast beside the new one:
+    the buckets split between the two and the new receive failed on the group's timeout."""
+    from pipelinerl_sdk_vllm.jobs import receive_info
+
+    trainer, engine = trainer_and_engine
+    torch.manual_seed(0)
+    params = {f"p{i}": torch.randn(64, 32) for i in range(4)}
+    specs = [ParamSpec(name=n, dtype="float32", shape=tuple(t.shape)) for n, t in params.items()]
+    info = receive_info(5, specs, 8 << 10, timeout_s=60)
+    key = update_key(5)
+
+    engine.start_weight_update()
+    engine.update_weights(info)
+    dropped = engine.job
+    engine.finish_weight_update()  # refused at another worker: the session closes unapplied
+    assert engine.job is None
+
+    trainer.clear_decision(key)  # the publisher's next update of the same version
+    engine.start_weight_update()
+    engine.update_weights(info)
+    fresh = engine.job
+    assert fresh is not dropped
+    trainer.post_decision(key, go=True)
+    sender = WeightSender(trainer, BucketPlan.build(specs, 8 << 10))
+    for name, tensor in params.items():
+        sender.send(name, tensor)
+    sender.finish()
+    fresh.thread.join(GROUP_TIMEOUT_S + 30)
+    dropped.thread.join(5)
+    assert fresh.state == "received", (fresh.state, fresh.error)
+    got = dict(fresh.staged.tensors())
+    assert all(torch.equal(got[n], t) for n, t in params.items())
+    assert dropped.state == "failed" and dropped.aborted, (dropped.state, dropped.error)
+    assert not engine.dropped and trainer.broken is None
+
+
+def test_a_receive_dropped_mid_broadcast_refuses_the_next_arm_until_it_ends(
+    trainer_and_engine: tuple[WeightSyncGroup, Any],
+) -> None:
+    """A session closed while its receive is mid-broadcast (the trainer sent half, then died):
+    the receive runs on until the group's timeout; arming another receive meanwhile is refused
+    with a message (two receives on one member would mix their buckets)."""
+    from pipelinerl_sdk_vllm.jobs import receive_info
+    from pipelinerl_sdk_vllm.transfer import CALL_OFF_S
+
+    trainer, engine = trainer_and_engine
+    specs = [ParamSpec(name=f"p{i}", dtype="float32", shape=(64, 32)) for i in range(4)]
+    engine.start_weight_update()
+    engine.update_weights(receive_info(5, specs, 8 << 10, timeout_s=60))
+    job = engine.job
+    trainer.post_decision(update_key(5), go=True)
+    sender = WeightSender(trainer, BucketPlan.build(specs, 8 << 10))
+    sender.send("p0", torch.zeros(64, 32))  # one bucket of four, then the trainer stops
+    for _ in range(500):
+        if job.state == "receiving":
+            break
+        threading.Event().wait(0.01)
+    engine.finish_weight_update()
+    assert engine.dropped == [job] and job.state == "receiving"
+    assert CALL_OFF_S < GROUP_TIMEOUT_S
+    with pytest.raises(RuntimeError, match=r"a dropped receive \(update/5, receiving\) has not ended yet"):
+        engine.update_weights(receive_info(6, specs, 8 << 10, timeout_s=60))
