@@ -160,14 +160,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
     elif args.what == "generate":
         from pipelinerl_sdk.bench.generate import run_generate_bench
 
-        result = run_generate_bench(
-            backend=args.backend,
-            model=args.model,
-            seconds=args.seconds,
-            rounds=args.rounds,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-        )
+        names = ("backend", "model", "seconds", "rounds", "concurrency", "max_tokens")
+        result = run_generate_bench(**{name: getattr(args, name) for name in names})
     elif args.what == "pipeline":
         from pipelinerl_sdk.bench.pipeline import run_pipeline_bench
 
