@@ -175,19 +175,22 @@ class ReferenceInferenceBackend(KitBackend):
         results = await asyncio.gather(
             *(self.engine.generate(plan.prompt_ids, self._sampling(plan, req, i)) for plan in plans for i in range(n))
         )
-        choices = []
-        for k, r in enumerate(results):
-            plan, first = plans[k // n], results[k - k % n]
-            prompt_lps = (
-                None
-                if first.prompt_logprobs is None
-                else prompt_entries(
-                    self.tokenizer, plan.prompt_ids, first.prompt_logprobs, first.prompt_ranks, first.prompt_tops
-                )
+        # a prompt's logprobs come with its first sample, and are made into entries once per prompt
+        firsts = results[::n]
+        prompt_lps = [
+            None
+            if first.prompt_logprobs is None
+            else prompt_entries(
+                self.tokenizer, plan.prompt_ids, first.prompt_logprobs, first.prompt_ranks, first.prompt_tops
             )
-            choices.append(
-                completion_choice(self.tokenizer, k, req, plan, prompt_logprobs=prompt_lps, **self._outcome(r, req))
+            for plan, first in zip(plans, firsts, strict=True)
+        ]
+        choices = [
+            completion_choice(
+                self.tokenizer, k, req, plans[k // n], prompt_logprobs=prompt_lps[k // n], **self._outcome(r, req)
             )
+            for k, r in enumerate(results)
+        ]
         return assemble_completion(
             self.model_name, plans, choices, completion_tokens=sum(len(r.token_ids) for r in results)
         )
