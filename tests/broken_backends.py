@@ -50,7 +50,7 @@ from pipelinerl_sdk.protocol import (
 )
 from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
 from pipelinerl_sdk.reference.capabilities import INFERENCE
-from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
+from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams, _Request
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import WeightSyncGroup
 from pipelinerl_sdk.weights.receive import update_key
@@ -222,7 +222,7 @@ class StaleVersions(ReferenceInferenceBackend):
     with the version of the forward that produced it: tokens generated after an in-flight update
     keep the old version.
 
-    Caught by ``test_requests_in_flight_survive_updates``: "carried no token of the new version"."""
+    Caught by ``test_requests_in_flight_survive_updates``: "no request carried tokens of two versions"."""
 
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         at_start = self.version
@@ -405,6 +405,27 @@ class InFlightTags(ReferenceInferenceBackend):
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
         self.engine = _rebuild_engine(self.engine, _RetagLastStepEngine, version=0)
+
+
+class _StaticBatchEngine(ContinuousBatchingEngine):
+    def _wait_for_work(self) -> list[_Request] | None:
+        admitted = super()._wait_for_work()
+        if admitted and any(not r.cancelled for r in self._running):
+            with self._cond:  # a batch is running: the new requests wait until it has ended
+                self._waiting.extendleft(reversed(admitted))
+            return []
+        return admitted
+
+
+class StaticBatching(ReferenceInferenceBackend):
+    """Not broken: static batching (requests that arrive while a batch decodes wait until every
+    sequence of it has ended, as with ``transformers.generate()`` engines), with the reference's
+    correct in-flight updates. The in-flight checks must prove its updates in flight without
+    assuming a continuous-batching scheduler (a barrier request would wait behind the batch)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _StaticBatchEngine, version=0)
 
 
 class RefusesPastBatch(ReferenceInferenceBackend):
@@ -624,12 +645,17 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-streams-stop-strings": ("StreamsStopStrings", INFERENCE),
 }
 
+#: Correct backends built otherwise than the reference: every standard check must pass on them.
+CORRECT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
+    "correct-static-batching": ("StaticBatching", INFERENCE),
+}
+
 #: Broken backends no standard check catches yet.
 GAP_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {}
 
 
 @hookimpl
 def register_backends(registry: BackendRegistry) -> None:
-    for name, (cls, caps) in {**CAUGHT_BACKENDS, **GAP_BACKENDS}.items():
+    for name, (cls, caps) in {**CAUGHT_BACKENDS, **GAP_BACKENDS, **CORRECT_BACKENDS}.items():
         summary = re.split(r"\.\s", " ".join((globals()[cls].__doc__ or "").split()))[0]
         registry.register_inference_backend(name, f"{__name__}:{cls}", caps, summary)

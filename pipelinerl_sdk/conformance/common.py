@@ -4,7 +4,8 @@ requests, the comparison with the mirror, and the suite's publisher."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
@@ -71,3 +72,35 @@ async def open_connections(client: InferenceClient, k: int) -> None:
 def openai_headers(sut: ServerUnderTest) -> dict[str, str]:
     """What a plain HTTP client sends to the server's OpenAI routes (its API key, if any)."""
     return {"Authorization": f"Bearer {sut.api_key}"} if sut.api_key else {}
+
+
+#: Attempts an inconclusive in-flight check makes at the most tokens the context allows, after
+#: doubling up to it: on a loaded machine a run can stall for seconds while requests decode.
+TRIES_AT_ROOM = 3
+
+
+def retry_budgets(first: int, room: int) -> Iterator[int]:
+    """The token budgets an in-flight check tries in turn until one is conclusive: ``first``,
+    then twice the last, up to ``room``, then ``room`` again, :data:`TRIES_AT_ROOM` times in all."""
+    budget, at_room = min(first, room), 0
+    while at_room < TRIES_AT_ROOM:
+        at_room += budget >= room
+        yield budget
+        budget = min(room, 2 * budget)
+
+
+class Timeline:
+    """Named moments of one check in seconds from its start: what an inconclusive check reports,
+    so a run on a loaded machine says where its time went."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, what: str) -> float:
+        t = time.perf_counter() - self._t0
+        self.marks.append((what, t))
+        return t
+
+    def __str__(self) -> str:
+        return ", ".join(f"{what} {t:.2f} s" for what, t in self.marks)

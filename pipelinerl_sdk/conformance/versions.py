@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipelinerl_sdk.conformance.common import PROMPT, arun, connect, open_connections
+from pipelinerl_sdk.conformance.common import PROMPT, Timeline, arun, connect, open_connections, retry_budgets
 from pipelinerl_sdk.conformance.mirror import TOLERANCES, Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionResponse
@@ -86,42 +86,59 @@ class VersionTagChecks:
         across updates; see :meth:`Mirror.replay`) or on a recomputed one. A token computed by
         other weights than its tag's (a tag set before the new weights are live, or after)
         fails. The request sent mid-receive is answered (awaited before the second update),
-        its tags are the old or the new version, and true. Inconclusive runs (no completion
-        crossed an update) retry with twice the budget, up to what the server's context leaves
-        (a fast engine decodes 1024 tokens before two updates land)."""
+        its tags are the old or the new version, and true.
+
+        No scheduler is assumed: the updates follow the requests at once, with no barrier
+        request (a static batch would hold it behind them; a loaded engine's front may too). A
+        completion the engine starts after an update begins on the newer version, and its tags
+        are judged the same way. Inconclusive runs (no completion crossed an update) retry with
+        twice the budget up to what the server's context leaves, then twice more at that."""
         tol = TOLERANCES[mirror.dtype]
         assert tol.max_abs < 1.0
+        timelines: list[str] = []
 
         async def attempt(budget: int) -> tuple[int, list[str]]:
+            tl = Timeline()
             async with server_under_test.client() as client, server_under_test.client() as other:
                 publisher = await connect(server_under_test, client)
                 info = await client.info()
                 start = info.version
                 states = {start: mirror.state()}
+                for k in (1, 2):  # every version's weights are made before the requests start
+                    mirror.perturb(seed=start + k, scale=SCALE)
+                    states[start + k] = mirror.state()
                 req: dict[str, Any] = {
                     "messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "temperature": 1.0,
                     "logprobs": True, "return_token_ids": True,
                 }  # fmt: skip
                 await open_connections(client, 4)
                 await open_connections(other, 1)
-                running = [asyncio.create_task(client.chat({**req, "seed": i})) for i in range(2)]
-                await asyncio.sleep(0.02)
-                await client.chat({"messages": PROMPT, "max_tokens": 1})  # barrier: they are running
+                tl.mark("ready")
+
+                async def timed(i: int) -> ChatCompletionResponse:
+                    resp = await client.chat({**req, "seed": i})
+                    tl.mark(f"request {i} done")
+                    return resp
+
+                running = [asyncio.create_task(timed(i)) for i in range(2)]
+                await asyncio.sleep(0.02)  # sent before the first update is requested
                 mid: asyncio.Task[ChatCompletionResponse] | None = None
                 for k in (1, 2):
-                    mirror.perturb(seed=start + k, scale=SCALE)
-                    states[start + k] = mirror.state()
+                    mirror.load(states[start + k])
                     async with publisher.update(start + k, info.params) as sink:
+                        tl.mark(f"v{start + k} accepted")
                         if mid is None:  # sent while the server is receiving
                             mid = asyncio.create_task(other.chat({**req, "max_tokens": 16, "seed": 7}))
                         await asyncio.sleep(RECEIVE_WINDOW_S)
                         await asyncio.to_thread(mirror.send_all, sink, info.params)
+                    tl.mark(f"v{start + k} live")
                     if k == 1:  # answered before the next version exists: it can only begin with
                         # the old or the new one (a loaded engine may start it after the next update)
                         assert mid is not None
                         mid_resp = await mid
                 results = await asyncio.gather(*running)
                 await publisher.close()
+            timelines.append(f"{budget} tokens: {tl}")
             failures, crossed = [], 0
             for i, resp in enumerate(results):
                 assert resp.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
@@ -149,11 +166,9 @@ class VersionTagChecks:
                 return min(MAX_BUDGET, (info.max_model_len or MAX_BUDGET) - len(probe.prompt_token_ids or []) - 16)
 
         room = arun(room_left)
-        budget = min(128, room)
-        while True:
+        for budget in retry_budgets(128, room):
             crossed, failures = arun(functools.partial(attempt, budget))
             assert not failures, "a version tag lies: " + " | ".join(failures)
-            if crossed or budget >= room:
-                break
-            budget = min(room, 2 * budget)
-        assert crossed, f"inconclusive: no completion of {budget} tokens was still running when an update went live"
+            if crossed:
+                return
+        pytest.fail("inconclusive: no completion was still running when an update went live; " + "; ".join(timelines))
