@@ -44,6 +44,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     version_label,
     versions_from_spans,
 )
+from pipelinerl_sdk.kit.inference.procs import idle_descendants
 from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, wait_jobs
 from pipelinerl_sdk_vllm.plugin import CARD
 
@@ -63,6 +64,8 @@ class VLLMInferenceBackend(KitBackend):
         super().__init__(config)
         self._engine: Any = None
         self._cpu = True
+        if self.opts.get("engine_policy", "idle") not in ("idle", "normal"):
+            raise ValueError(f"option engine_policy: 'idle' or 'normal', not {self.opts['engine_policy']!r}")
 
     @property
     def max_model_len(self) -> int | None:
@@ -84,6 +87,9 @@ class VLLMInferenceBackend(KitBackend):
         status = await engine.collective_rpc("pipelinerl_status")
         if any("error" in s for s in status):
             raise PluginError(f"vllm backend: weight-transfer engine not set up in the workers: {status}")
+        # vLLM's engine core and workers out of the front's way on a CPU: pipelinerl_sdk.kit.inference.procs
+        if self.opts.get("engine_policy", "idle" if self._cpu else "normal") == "idle":
+            print(f"pipelinerl: vllm engine threads under SCHED_IDLE: {idle_descendants()}", flush=True)
 
     async def _warm_up(self) -> None:
         """The first generation on CPU pays one-off kernel set-up (~30 s on 2 busy cores): pay it

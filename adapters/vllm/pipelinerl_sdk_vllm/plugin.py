@@ -31,6 +31,8 @@ CARD = EngineCard(
         "enforce_eager": "1 (default) to skip graph capture / compilation",
         "threads": "CPU threads for the engine (VLLM_CPU_OMP_THREADS_BIND=auto otherwise)",
         "vllm_args": "extra vLLM server arguments, space-separated",
+        "engine_policy": "'idle' (default on a CPU build) runs vLLM's engine core and workers under SCHED_IDLE, "
+        "'normal' (default on GPU) leaves them: on a busy CPU their spin-wait otherwise starves the server and trainer",
     },
     engine=(
         "vllm",

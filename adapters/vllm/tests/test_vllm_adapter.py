@@ -131,6 +131,24 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 
 @requires_vllm
+def test_engine_processes_run_under_sched_idle_on_cpu(vllm_server: ServerProcess) -> None:
+    """On the CPU build every thread of vLLM's engine core and workers is under SCHED_IDLE
+    (option engine_policy), the server's own process (its HTTP front) is not."""
+    from pipelinerl_sdk_vllm.server import is_cpu_build
+
+    from pipelinerl_sdk.kit.inference.procs import descendants
+
+    if not is_cpu_build():
+        pytest.skip("the GPU build keeps the engine's policy (engine_policy defaults to normal)")
+    below = descendants(vllm_server.pid)
+    comms = {open(f"/proc/{p}/comm").read().strip() for p in below}
+    assert any("EngineCor" in c for c in comms) and any("Worker" in c for c in comms), comms
+    policies = {os.sched_getscheduler(int(t)) for p in below for t in os.listdir(f"/proc/{p}/task")}
+    assert policies == {os.SCHED_IDLE}, f"engine thread policies {policies}"
+    assert os.sched_getscheduler(vllm_server.pid) == os.SCHED_OTHER
+
+
+@requires_vllm
 def test_bad_model_path_exits_with_a_message(tmp_path: Path) -> None:
     r = _serve("--model", str(tmp_path / "nope"), "--port", "0")
     assert r.returncode != 0
