@@ -481,32 +481,44 @@ class ChunkDelta(WireModel):
     content: str | None = None
 
 
-class ChunkChoice(WireModel):
-    """One choice's part of a stream chunk: the text released (``delta``), and for the tokens
-    this chunk carries their logprobs, ids (with ``return_token_ids``) and weight versions (one
-    per token, always). ``finish_reason`` is set on the choice's last content chunk."""
+class StreamChunk(WireModel):
+    """What every server-sent event of a stream carries (chat and completions): the stream's
+    ``id``, ``created`` and ``model``, and ``usage`` on the last one if asked."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
+class StreamedChoice(WireModel):
+    """What every streamed choice's part carries (chat and completions): ``index``, for the
+    tokens of this chunk their ids (with ``return_token_ids``) and weight versions (one per
+    token, always), and on the choice's last content chunk ``finish_reason``/``stop_reason``."""
 
     index: int
-    delta: ChunkDelta
-    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
     weight_versions: list[int] = Field(default_factory=list)
 
 
-class ChatCompletionChunk(WireModel):
+class ChunkChoice(StreamedChoice):
+    """One choice's part of a stream chunk: the text released (``delta``) and its tokens'
+    logprobs (if asked), besides :class:`StreamedChoice`'s."""
+
+    delta: ChunkDelta
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(StreamChunk):
     """One server-sent event of a streamed chat (vLLM 0.32's ``chat.completion.chunk``): first a
     chunk with each choice's role (and ``prompt_token_ids`` with ``return_token_ids``), then
     content chunks, then with ``stream_options.include_usage`` one with ``usage`` and no choices;
     the stream ends with ``data: [DONE]``."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -545,31 +557,22 @@ class CompletionResponse(WireModel):
     usage: Usage
 
 
-class CompletionChunkChoice(WireModel):
-    """One choice's part of a streamed completion: the text released and, for the tokens this
-    chunk carries, logprobs, ids and weight versions; ``prompt_token_ids`` on its first chunk
-    (with ``return_token_ids``); ``finish_reason`` on its last."""
+class CompletionChunkChoice(StreamedChoice):
+    """One choice's part of a streamed completion: the text released, its tokens' logprobs
+    (OpenAI's completions shape), ``prompt_token_ids`` on its first chunk (with
+    ``return_token_ids``), besides :class:`StreamedChoice`'s."""
 
-    index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
-    weight_versions: list[int] = Field(default_factory=list)
 
 
-class CompletionChunk(WireModel):
+class CompletionChunk(StreamChunk):
     """One server-sent event of a streamed ``/v1/completions`` (vLLM's shape); with
     ``stream_options.include_usage`` the last has ``usage`` and no choices; then ``data: [DONE]``."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
 
 
 class ErrorBody(WireModel):

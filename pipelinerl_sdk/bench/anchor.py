@@ -21,9 +21,11 @@ imported only by the benchmark, guarded like a backend's factory. ``ANCHOR`` has
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from pipelinerl_sdk.errors import PluginError
@@ -34,7 +36,15 @@ from pipelinerl_sdk.weights.group import WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.send import WeightSender
 
-__all__ = ["BenchAnchor", "FlowTarget", "NativeUpdate", "NativeUpdateFlow", "StandaloneAnchor", "load_anchor"]
+__all__ = [
+    "BenchAnchor",
+    "FlowSettings",
+    "FlowTarget",
+    "NativeUpdate",
+    "NativeUpdateFlow",
+    "StandaloneAnchor",
+    "load_anchor",
+]
 
 #: ``anchor(model_dir, *, dtype, updates) -> dict`` with at least ``update_wall_s``.
 StandaloneAnchor = Callable[..., dict[str, Any]]
@@ -110,6 +120,47 @@ class NativeUpdateFlow(Protocol):
         """Publish ``version`` to ``target`` through the engine's own routes. Raises on any
         failure; the weights then served are the engine's business (as without the SDK)."""
         ...
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """What a :class:`NativeUpdateFlow` dataclass keeps besides its ``update``: its
+    ``description`` and ``server_env`` (override the defaults), the seconds each of its HTTP
+    calls may take, and the sender's bucket buffers, reused across updates as the SDK's publisher
+    reuses its own (pass them to :meth:`FlowTarget.broadcast`)."""
+
+    description: str = ""
+    server_env: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float = 120.0
+    buffers: dict[int, list[Any]] = field(default_factory=dict)
+
+    async def keep_pause_flow(
+        self,
+        target: FlowTarget,
+        version: int,
+        *,
+        pause: Callable[[], Awaitable[None]],
+        start: Callable[[], Awaitable[None]],
+        receive: Callable[[], Coroutine[Any, Any, None]],
+        finish: Callable[[], Awaitable[None]],
+        resume: Callable[[], Awaitable[None]],
+    ) -> NativeUpdate:
+        """The flow vLLM-style RL routes document, timed: ``pause`` (keep), ``start``, then
+        ``receive`` (the engine's blocking receive) while the trainer posts its ``go`` and
+        broadcasts, ``finish`` (apply and version), ``resume``. The pause is measured from the
+        moment ``pause`` answered to the moment ``resume`` did."""
+        t0 = time.perf_counter()
+        await pause()
+        paused = time.perf_counter()
+        await start()
+        with target.go(version):
+            receiving = asyncio.create_task(receive())
+            send_s = await asyncio.to_thread(target.broadcast, self.buffers)
+            await receiving
+        await finish()
+        await resume()
+        done = time.perf_counter()
+        return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,8 @@ class DynamoInferenceBackend(KitBackend):
         self.workers = int(self.opts.get("workers", "2"))
         if self.workers < 1:
             raise ValueError(f"option workers: at least 1, got {self.workers}")
+        if self.opts.get("worker_policy", "idle") not in ("idle", "normal"):
+            raise ValueError(f"option worker_policy: 'idle' or 'normal', not {self.opts['worker_policy']!r}")
         cfg = json.loads(Path(config.model, "config.json").read_text())
         self._max_model_len = int(self.opts.get("max_model_len", cfg.get("max_position_embeddings", 2048)))
         self.cluster: DynamoCluster | None = None
@@ -117,7 +119,8 @@ class DynamoInferenceBackend(KitBackend):
                 prefix_caching=o.get("prefix_caching", "0") == "1",
                 vllm_args=o.get("vllm_args", "").split(),
                 env={"VLLM_CPU_KVCACHE_SPACE": o.get("kv_cache_gib", "1"), "VLLM_TARGET_DEVICE": "cpu"} if cpu else {},
-                worker_nice=int(o.get("worker_nice", "10" if cpu else "0")),
+                worker_nice=int(o.get("worker_nice", "0")),
+                worker_idle=o.get("worker_policy", "idle" if cpu else "normal") == "idle",
             )
         )
         self._http = httpx.AsyncClient(  # idle connections dropped before a server's keep-alive closes them

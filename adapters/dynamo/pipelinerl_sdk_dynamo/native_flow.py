@@ -22,28 +22,20 @@ benchmark compares: it receives off the engine loop and pauses only for the appl
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdate
+from pipelinerl_sdk.bench.anchor import FlowSettings, FlowTarget, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
 
 __all__ = ["FLOW", "DynamoNativeFlow"]
 
 
 @dataclass(frozen=True)
-class DynamoNativeFlow:
-    description: str = (
-        "Dynamo 1.6 RL routes on every worker: /engine/pause_generation {mode: keep}, "
-        "/engine/update_weights_from_distributed (start_weight_update, update_weights: blocking receive, "
-        "finish_weight_update + weight_version), /engine/resume_generation"
-    )
-    server_env: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 120.0
-    buffers: dict[int, list[Any]] = field(default_factory=dict)
+class DynamoNativeFlow(FlowSettings):
+    """The engine's documented RL flow (:class:`~pipelinerl_sdk.bench.anchor.FlowSettings`)."""
 
     async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
         client = next((c for c in target.publisher.clients if c.url == target.url.rstrip("/")), None)
@@ -71,22 +63,23 @@ class DynamoNativeFlow:
             async def every(route: str, body: dict[str, Any]) -> None:
                 await asyncio.gather(*(post(u, route, body) for u in urls))
 
-            t0 = time.perf_counter()
-            await every("pause_generation", {"mode": "keep"})
-            paused = time.perf_counter()
-            distributed = "update_weights_from_distributed"
-            await every(distributed, {"engine_rpc": "start_weight_update", "reset_prefix_cache": False})
-            with target.go(version):
-                receiving = asyncio.create_task(
-                    every(distributed, {"engine_rpc": "update_weights", "update_info": update_info})
-                )
-                send_s = await asyncio.to_thread(target.broadcast, self.buffers)
-                await receiving
-            await every(distributed, {"engine_rpc": "finish_weight_update", "weight_version": str(version)})
-            await every("resume_generation", {})
-            done = time.perf_counter()
-        return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s)
+            rpc = "update_weights_from_distributed"
+            return await self.keep_pause_flow(
+                target,
+                version,
+                pause=lambda: every("pause_generation", {"mode": "keep"}),
+                start=lambda: every(rpc, {"engine_rpc": "start_weight_update", "reset_prefix_cache": False}),
+                receive=lambda: every(rpc, {"engine_rpc": "update_weights", "update_info": update_info}),
+                finish=lambda: every(rpc, {"engine_rpc": "finish_weight_update", "weight_version": str(version)}),
+                resume=lambda: every("resume_generation", {}),
+            )
 
 
 #: The ``bench_anchor`` the dynamo backend registers.
-FLOW = DynamoNativeFlow()
+FLOW = DynamoNativeFlow(
+    description=(
+        "Dynamo 1.6 RL routes on every worker: /engine/pause_generation {mode: keep}, "
+        "/engine/update_weights_from_distributed (start_weight_update, update_weights: blocking receive, "
+        "finish_weight_update + weight_version), /engine/resume_generation"
+    ),
+)

@@ -42,8 +42,10 @@ CARD = EngineCard(
         "enforce_eager": "1 (default) to skip graph capture / compilation",
         "startup_timeout_s": "seconds Dynamo's processes may take to come up (default 600)",
         "vllm_args": "extra arguments of each Dynamo vLLM worker, space-separated",
-        "worker_nice": "niceness of the workers and their engine cores (default 10 on a CPU build, else 0): "
-        "a CPU engine decoding at full speed must not starve the frontend, this server and the trainer",
+        "worker_nice": "niceness of the workers and their engine cores (default 0)",
+        "worker_policy": "'idle' (default on a CPU build) runs the workers and their engine cores under SCHED_IDLE, "
+        "'normal' (default on GPU) leaves them: on a busy CPU their spin-wait otherwise starves the frontend, "
+        "this server and the trainer (a niceness does not help: see the vLLM adapter's README)",
     },
     engine=("dynamo", "NVIDIA Dynamo 1.6 with vLLM in this environment: run scripts/setup-dynamo"),
     bench_anchor="pipelinerl_sdk_dynamo.native_flow:FLOW",  # Dynamo's own RL flow over its worker routes

@@ -119,14 +119,17 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _preexec(nice: int) -> Any:
-    """What a child runs before exec: :func:`_die_with_parent`, then ``nice`` (inherited by
-    every process and thread it starts: vLLM's engine core and its receive threads)."""
+def _preexec(nice: int, idle: bool = False) -> Any:
+    """What a child runs before exec: :func:`_die_with_parent`, then ``nice`` and, with ``idle``,
+    the ``SCHED_IDLE`` policy (both inherited by every process and thread it starts: vLLM's
+    engine core and its receive threads; see :mod:`pipelinerl_sdk.kit.inference.procs`)."""
 
     def run() -> None:
         _die_with_parent()
         if nice:
             os.nice(nice)
+        if idle and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     return run
 
@@ -156,6 +159,8 @@ class ClusterConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     #: The workers' niceness (their engine cores inherit it); the frontend keeps the server's.
     worker_nice: int = 0
+    #: The workers (and their engine cores) under ``SCHED_IDLE``; the frontend keeps the server's.
+    worker_idle: bool = False
 
 
 class DynamoCluster:
@@ -178,7 +183,13 @@ class DynamoCluster:
         return env
 
     def _spawn(
-        self, role: str, argv: list[str], env: Mapping[str, str], system_port: int | None = None, nice: int = 0
+        self,
+        role: str,
+        argv: list[str],
+        env: Mapping[str, str],
+        system_port: int | None = None,
+        nice: int = 0,
+        idle: bool = False,
     ) -> Proc:
         log = self.dir / f"{role}.log"
         with open(log, "wb") as out:
@@ -190,7 +201,7 @@ class DynamoCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=dict(env),
-                preexec_fn=_preexec(nice),
+                preexec_fn=_preexec(nice, idle),
             )
         return Proc(role, popen, log, system_port)
 
@@ -226,7 +237,9 @@ class DynamoCluster:
                 mine = cpus[(i * share) % len(cpus) :][:share]
                 extra["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)
             self.workers.append(
-                self._spawn(f"worker{i}", self.worker_argv(), self._env(extra), port, nice=self.cfg.worker_nice)
+                self._spawn(
+                    f"worker{i}", self.worker_argv(), self._env(extra), port, self.cfg.worker_nice, self.cfg.worker_idle
+                )
             )
         self.frontend_port = free_port()
         argv = [

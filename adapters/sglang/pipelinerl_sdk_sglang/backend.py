@@ -18,9 +18,6 @@
   the snapshot is restored before ``end_weight_update`` and generation continues on the old
   weights and version. These are the steps of the kit's
   :func:`~pipelinerl_sdk.kit.inference.update.run_update`, which orders them and normalises errors.
-
-Everything not specific to SGLang (identity, options, bookkeeping, update ordering and errors, chat
-preparation and response assembly, serving) is the SDK's inference kit.
 """
 
 from __future__ import annotations

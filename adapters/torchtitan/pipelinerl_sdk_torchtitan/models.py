@@ -101,6 +101,16 @@ def model_spec(hf_config: Any) -> Any:
     theta = rope_theta(hf_config)
     rope_type = _rope_type(hf_config)
 
+    # the layer stack's shape, the same for both builders
+    shape = {
+        "n_layers": int(hf_config.num_hidden_layers),
+        "dim": dim,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "hidden_dim": int(hf_config.intermediate_size),
+        "fuse_qkv": True,
+        "attn_backend": "flex",
+    }
     if family == "llama":
         if getattr(hf_config, "attention_bias", False):
             raise ValueError("llama with attention_bias=True is not supported")
@@ -123,16 +133,7 @@ def model_spec(hf_config: Any) -> Any:
         else:
             raise ValueError(f"llama: rope_type {rope_type!r} is not supported")
         base = llama3.model_registry("debugmodel", attn_backend="flex")
-        layers = llama3._build_llama3_layers(
-            n_layers=int(hf_config.num_hidden_layers),
-            dim=dim,
-            n_heads=n_heads,
-            n_kv_heads=n_kv,
-            hidden_dim=int(hf_config.intermediate_size),
-            rope=rope,
-            fuse_qkv=True,
-            attn_backend="flex",
-        )
+        layers = llama3._build_llama3_layers(**shape, rope=rope)
         layers = _sdpa_layers(layers, eps, qk_norm=False, qkv_bias=False)
         adapter: type = llama3.Llama3StateDictAdapter
     else:
@@ -142,15 +143,7 @@ def model_spec(hf_config: Any) -> Any:
             raise ValueError("qwen3 with attention_bias=True is not supported")
         base = qwen3.model_registry("debugmodel", attn_backend="flex")
         layers = qwen3._build_qwen3_layers(
-            n_layers=int(hf_config.num_hidden_layers),
-            dim=dim,
-            n_heads=n_heads,
-            n_kv_heads=n_kv,
-            head_dim=head_dim,
-            hidden_dim=int(hf_config.intermediate_size),
-            fuse_qkv=True,
-            attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_len, theta=theta),
+            **shape, head_dim=head_dim, rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_len, theta=theta)
         )
         is_qwen2 = family == "qwen2"
         layers = _sdpa_layers(layers, eps, qk_norm=not is_qwen2, qkv_bias=is_qwen2)

@@ -17,9 +17,6 @@ router mounted in front of it.
   status; pause = ``pause_generation(mode="keep")``/``resume_generation``; apply =
   ``finish_weight_update(version)`` (apply + version); abandon = ``finish_weight_update(None)``.
   ``direct`` mode pauses once every worker has the ``go``, ``staged`` only for the apply.
-
-Everything not specific to vLLM (identity, options, bookkeeping, update ordering and errors, chat
-preparation and response assembly, serving) is the SDK's inference kit.
 """
 
 from __future__ import annotations

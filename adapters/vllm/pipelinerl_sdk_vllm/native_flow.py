@@ -20,14 +20,12 @@ receives off the engine loop and pauses only for the apply.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdate
+from pipelinerl_sdk.bench.anchor import FlowSettings, FlowTarget, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk_vllm.jobs import receive_info
 
@@ -35,15 +33,8 @@ __all__ = ["FLOW", "VLLMNativeFlow"]
 
 
 @dataclass(frozen=True)
-class VLLMNativeFlow:
-    description: str = (
-        "vLLM 0.32 RL routes: /pause?mode=keep, /start_weight_update, /update_weights (blocking receive), "
-        "/finish_weight_update {weight_version}, /resume"
-    )
-    server_env: dict[str, str] = field(default_factory=lambda: {"VLLM_SERVER_DEV_MODE": "1"})
-    timeout_s: float = 120.0
-    #: The sender's bucket buffers, reused across updates as the SDK's publisher reuses its own.
-    buffers: dict[int, list[Any]] = field(default_factory=dict)
+class VLLMNativeFlow(FlowSettings):
+    """The engine's documented RL flow (:class:`~pipelinerl_sdk.bench.anchor.FlowSettings`)."""
 
     async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
         info = receive_info(version, target.specs, target.publisher.bucket_bytes, self.timeout_s, blocking=True)
@@ -54,19 +45,22 @@ class VLLMNativeFlow:
                 if r.status_code >= 400:
                     raise ServerError(target.url, f"POST {path}: {r.status_code} {r.text[:500]}", status=r.status_code)
 
-            t0 = time.perf_counter()
-            await post("/pause", params={"mode": "keep"})
-            paused = time.perf_counter()
-            await post("/start_weight_update")
-            with target.go(version):
-                receiving = asyncio.create_task(post("/update_weights", json={"update_info": info}))
-                send_s = await asyncio.to_thread(target.broadcast, self.buffers)
-                await receiving
-            await post("/finish_weight_update", json={"weight_version": str(version)})
-            await post("/resume")
-            done = time.perf_counter()
-        return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s)
+            return await self.keep_pause_flow(
+                target,
+                version,
+                pause=lambda: post("/pause", params={"mode": "keep"}),
+                start=lambda: post("/start_weight_update"),
+                receive=lambda: post("/update_weights", json={"update_info": info}),
+                finish=lambda: post("/finish_weight_update", json={"weight_version": str(version)}),
+                resume=lambda: post("/resume"),
+            )
 
 
 #: The ``bench_anchor`` the vllm backend registers.
-FLOW = VLLMNativeFlow()
+FLOW = VLLMNativeFlow(
+    description=(
+        "vLLM 0.32 RL routes: /pause?mode=keep, /start_weight_update, /update_weights (blocking receive), "
+        "/finish_weight_update {weight_version}, /resume"
+    ),
+    server_env={"VLLM_SERVER_DEV_MODE": "1"},
+)
