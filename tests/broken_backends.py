@@ -231,6 +231,23 @@ class StaleVersions(ReferenceInferenceBackend):
         return resp.model_copy(update={"choices": choices})
 
 
+class StaleStreamVersions(ReferenceInferenceBackend):
+    """Streams each chunk's tokens tagged with the version served when the request started (a
+    streaming path that copies the request's first version into every chunk); non-streamed
+    responses stay right.
+
+    Caught by ``test_streamed_version_tags_are_true``: "a version tag lies"."""
+
+    def sample_steps(self, plan: ChatPlan, req: SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
+        at_start, steps = self.version, super().sample_steps(plan, req, i)
+
+        async def stale() -> AsyncIterator[TokenStep]:
+            async for step in steps:
+                yield dataclasses.replace(step, versions=[at_start] * len(step.token_ids))
+
+        return stale()
+
+
 class _GreedyEngine(ContinuousBatchingEngine):
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         return int(torch.argmax(logits))  # the bug: temperature and top_p never reach the sampler
@@ -624,6 +641,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-half-applies": ("HalfApplies", DIRECT_ONLY),
     "broken-accepts-unknown-names": ("AcceptsUnknownNames", INFERENCE),
     "broken-stale-versions": ("StaleVersions", INFERENCE),
+    "broken-stale-stream-versions": ("StaleStreamVersions", INFERENCE),
     "broken-temperature-logprobs": ("TemperatureLogprobs", INFERENCE),
     "broken-not-atomic-on-abort": ("NotAtomicOnAbort", INFERENCE),
     "broken-greedy-sampling": ("GreedySampling", INFERENCE),

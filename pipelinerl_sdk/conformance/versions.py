@@ -12,7 +12,13 @@ import torch
 from pipelinerl_sdk.conformance.common import PROMPT, Timeline, arun, connect, open_connections, retry_budgets
 from pipelinerl_sdk.conformance.mirror import TOLERANCES, Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
-from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionResponse
+from pipelinerl_sdk.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    ChunkChoice,
+)
 
 #: The trainer waits this long between the server's ``accepted`` and its broadcast (a trainer
 #: that gathers slowly): generation goes on meanwhile (staged) and its tokens must keep the old tag.
@@ -172,3 +178,77 @@ class VersionTagChecks:
             if crossed:
                 return
         pytest.fail("inconclusive: no completion was still running when an update went live; " + "; ".join(timelines))
+
+    @pytest.mark.requires("streaming", "in_flight_updates")
+    def test_streamed_version_tags_are_true(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """A streamed completion running across an update: once its first tokens have arrived
+        (the stream itself says it is running, whatever the scheduler), the trainer publishes
+        the next version; the chunks' tokens, logprobs and weight versions, put together, are
+        replayed against the mirror as in :meth:`test_every_version_tag_is_true` (every tag
+        true, versions never going back), and the streamed tokens carry both versions.
+        Inconclusive runs (the stream ended before the update was live) retry with twice the
+        budget, up to what the context leaves, then twice more at that."""
+        timelines: list[str] = []
+
+        async def attempt(budget: int) -> tuple[bool, str]:
+            tl = Timeline()
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                info = await client.info()
+                start = info.version
+                states = {start: mirror.state()}
+                mirror.perturb(seed=start + 1, scale=SCALE)
+                states[start + 1] = mirror.state()
+                mirror.load(states[start])  # the update sends start + 1's weights from the states
+                await open_connections(client, 2)
+                body = {
+                    "messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "temperature": 1.0,
+                    "seed": 11, "logprobs": True, "return_token_ids": True,
+                }  # fmt: skip
+                parts: list[ChunkChoice] = []
+                prompt: list[int] = []
+                update: asyncio.Task[None] | None = None
+                tl.mark("ready")
+                async for chunk in client.chat_stream(body):
+                    prompt = prompt or list(chunk.prompt_token_ids or [])
+                    for part in chunk.choices:
+                        parts.append(part)
+                        if update is None and part.token_ids:
+                            tl.mark("first tokens")
+                            mirror.load(states[start + 1])
+                            update = asyncio.create_task(mirror.publish(publisher, start + 1, info.params))
+                tl.mark("stream ended")
+                assert update is not None, "the stream carried no token ids (return_token_ids)"
+                await update
+                tl.mark(f"v{start + 1} live")
+                await publisher.close()
+            timelines.append(f"{budget} tokens: {tl}")
+            assert prompt, "return_token_ids: the first chunk carries no prompt_token_ids"
+            choice = ChatChoice(
+                index=0,
+                message=AssistantMessage(content="".join(p.delta.content or "" for p in parts)),
+                finish_reason=parts[-1].finish_reason or "length",
+                token_ids=[t for p in parts for t in p.token_ids or []],
+                logprobs=ChoiceLogprobs(content=[t for p in parts for t in (p.logprobs.content if p.logprobs else [])]),
+                weight_versions=[v for p in parts for v in p.weight_versions],
+            )
+            assert len(choice.weight_versions) == len(choice.token_ids or []) == budget, (
+                f"{len(choice.weight_versions)} streamed versions for {len(choice.token_ids or [])} tokens "
+                f"(asked {budget})"
+            )
+            ok, msg = judge_tags(mirror, prompt, choice, states, "the streamed completion")
+            assert ok, "a version tag lies: " + msg
+            return len(set(choice.weight_versions)) > 1, ""
+
+        async def room_left() -> int:
+            async with server_under_test.client() as client:
+                info = await client.info()
+                probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
+                return min(MAX_BUDGET, (info.max_model_len or MAX_BUDGET) - len(probe.prompt_token_ids or []) - 16)
+
+        room = arun(room_left)
+        for budget in retry_budgets(256, room):
+            crossed, _ = arun(functools.partial(attempt, budget))
+            if crossed:
+                return
+        pytest.fail("inconclusive: every stream ended before the update was live; " + "; ".join(timelines))

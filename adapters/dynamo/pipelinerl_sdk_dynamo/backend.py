@@ -120,7 +120,6 @@ class DynamoInferenceBackend(KitBackend):
                 vllm_args=o.get("vllm_args", "").split(),
                 env={"VLLM_CPU_KVCACHE_SPACE": o.get("kv_cache_gib", "1"), "VLLM_TARGET_DEVICE": "cpu"} if cpu else {},
                 worker_nice=int(o.get("worker_nice", "0")),
-                worker_idle=o.get("worker_policy", "idle" if cpu else "normal") == "idle",
             )
         )
         self._http = httpx.AsyncClient(  # idle connections dropped before a server's keep-alive closes them
@@ -137,6 +136,8 @@ class DynamoInferenceBackend(KitBackend):
             await self._all("pipelinerl", {"op": "warm_up", "prompt_token_ids": [int(t) for t in ids]})
             await self._all("pipelinerl", {"op": "set_version", "version": 0})
             status = await self._statuses()
+            if o.get("worker_policy", "idle" if cpu else "normal") == "idle":
+                print(f"pipelinerl: dynamo worker threads under SCHED_IDLE: {self.cluster.idle_workers()}", flush=True)
         except BaseException:
             await self.stop()
             raise

@@ -30,6 +30,7 @@ from urllib.parse import unquote
 import httpx
 
 from pipelinerl_sdk.errors import PluginError
+from pipelinerl_sdk.kit.inference.procs import idle_descendants, idle_process
 
 WORKER_EXTENSION = "pipelinerl_sdk_vllm.transfer.PipelineRLWorkerExtension"
 #: Everything Dynamo binds or advertises stays on loopback (it uses the machine's address otherwise).
@@ -119,17 +120,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _preexec(nice: int, idle: bool = False) -> Any:
-    """What a child runs before exec: :func:`_die_with_parent`, then ``nice`` and, with ``idle``,
-    the ``SCHED_IDLE`` policy (both inherited by every process and thread it starts: vLLM's
-    engine core and its receive threads; see :mod:`pipelinerl_sdk.kit.inference.procs`)."""
+def _preexec(nice: int) -> Any:
+    """What a child runs before exec: :func:`_die_with_parent`, then ``nice`` (inherited by
+    every process and thread it starts: vLLM's engine core and its receive threads)."""
 
     def run() -> None:
         _die_with_parent()
         if nice:
             os.nice(nice)
-        if idle and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     return run
 
@@ -159,8 +157,6 @@ class ClusterConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     #: The workers' niceness (their engine cores inherit it); the frontend keeps the server's.
     worker_nice: int = 0
-    #: The workers (and their engine cores) under ``SCHED_IDLE``; the frontend keeps the server's.
-    worker_idle: bool = False
 
 
 class DynamoCluster:
@@ -183,13 +179,7 @@ class DynamoCluster:
         return env
 
     def _spawn(
-        self,
-        role: str,
-        argv: list[str],
-        env: Mapping[str, str],
-        system_port: int | None = None,
-        nice: int = 0,
-        idle: bool = False,
+        self, role: str, argv: list[str], env: Mapping[str, str], system_port: int | None = None, nice: int = 0
     ) -> Proc:
         log = self.dir / f"{role}.log"
         with open(log, "wb") as out:
@@ -201,7 +191,7 @@ class DynamoCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=dict(env),
-                preexec_fn=_preexec(nice, idle),
+                preexec_fn=_preexec(nice),
             )
         return Proc(role, popen, log, system_port)
 
@@ -237,9 +227,7 @@ class DynamoCluster:
                 mine = cpus[(i * share) % len(cpus) :][:share]
                 extra["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)
             self.workers.append(
-                self._spawn(
-                    f"worker{i}", self.worker_argv(), self._env(extra), port, self.cfg.worker_nice, self.cfg.worker_idle
-                )
+                self._spawn(f"worker{i}", self.worker_argv(), self._env(extra), port, nice=self.cfg.worker_nice)
             )
         self.frontend_port = free_port()
         argv = [
@@ -266,6 +254,15 @@ class DynamoCluster:
         for p in self.procs():
             if p.exited() is not None:
                 raise PluginError(f"dynamo backend: {p.death()}\n--- {p.log} (last lines) ---\n{log_tail(p.log)}")
+
+    def idle_workers(self) -> int:
+        """Every thread of the workers and the engine cores they started under ``SCHED_IDLE``
+        (:mod:`pipelinerl_sdk.kit.inference.procs`; once they are up: a start-up under it would
+        wait for every other process on a busy CPU). Returns how many threads were set."""
+        n = 0
+        for w in self.workers:
+            n += idle_process(w.popen.pid) + idle_descendants(w.popen.pid)
+        return n
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Every worker answers on its ``pipelinerl`` route and the frontend routes to all of them.

@@ -25,8 +25,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, Literal
 
 from pipelinerl_sdk import protocol as wire
@@ -34,6 +34,7 @@ from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, PluginError
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
+    ChatPlan,
     assemble_choice,
     assemble_response,
     plan_chat,
@@ -41,7 +42,9 @@ from pipelinerl_sdk.kit.inference.chat import (
     version_label,
     versions_from_spans,
 )
+from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
 from pipelinerl_sdk.kit.inference.procs import idle_descendants
+from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, wait_jobs
 from pipelinerl_sdk_vllm.plugin import CARD
 
@@ -190,88 +193,140 @@ class VLLMInferenceBackend(KitBackend):
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
+    def _params(self, plan: ChatPlan, req: wire.SamplingRequest, i: int, *, stream: bool = False) -> Any:
+        """vLLM's ``SamplingParams`` for sample ``i`` of ``req`` (prompt logprobs on the first);
+        ``stream``: outputs as deltas, one per engine step."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        plan = await plan_chat(self.tokenizer, req, self._engine.model_config.max_model_len)
+        return SamplingParams(
+            n=1,
+            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+            **sampling_args(plan, req, i),
+            max_tokens=plan.max_tokens,
+            stop=list(plan.stop) or None,
+            stop_token_ids=list(plan.stop_token_ids) or None,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=plan.top if _wants_logprobs(req) else None,
+            prompt_logprobs=req.prompt_top if i == 0 else None,
+            ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
 
-        async def one(i: int) -> Any:
-            params = SamplingParams(
-                n=1,
-                logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-                **sampling_args(plan, req, i),
-                max_tokens=plan.max_tokens,
-                stop=list(plan.stop) or None,
-                stop_token_ids=list(plan.stop_token_ids) or None,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=plan.top if req.logprobs else None,
-                prompt_logprobs=req.prompt_top if i == 0 else None,
-                ignore_eos=req.ignore_eos,
-                skip_special_tokens=req.skip_special_tokens,
-                output_kind=RequestOutputKind.FINAL_ONLY,
+    async def _final(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> Any:
+        """Sample ``i`` of ``req`` for ``plan``'s prompt, run to its end: vLLM's last output."""
+        final = None
+        async for out in self._engine.generate(
+            {"prompt_token_ids": plan.prompt_ids}, self._params(plan, req, i), f"cmpl-{uuid.uuid4().hex}"
+        ):
+            final = out
+        if final is None:
+            raise RuntimeError("vLLM returned no output")
+        return final
+
+    def _prompt_entries(self, out: Any, req: wire.SamplingRequest) -> list[dict[int, wire.PromptLogprob] | None] | None:
+        """vLLM's prompt logprobs of ``out`` in the protocol's shape (the first token has none)."""
+        if req.prompt_top is None:
+            return None
+        entries: list[dict[int, wire.PromptLogprob] | None] = [None]
+        for entry in (out.prompt_logprobs or [])[1:]:
+            entries.append(
+                None
+                if entry is None
+                else {
+                    int(t): wire.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                    for t, lp in entry.items()
+                }
             )
-            final = None
-            async for out in self._engine.generate(
-                {"prompt_token_ids": plan.prompt_ids}, params, f"chatcmpl-{uuid.uuid4().hex}"
-            ):
-                final = out
-            if final is None:
-                raise RuntimeError("vLLM returned no output")
-            return final
+        return entries
 
-        outs = await asyncio.gather(*(one(i) for i in range(req.n)))
-        prompt_lps: list[dict[int, wire.PromptLogprob] | None] | None = None
-        if req.prompt_top is not None:
-            raw = outs[0].prompt_logprobs or []
-            prompt_lps = [None]
-            for entry in raw[1:]:
-                prompt_lps.append(
-                    None
-                    if entry is None
-                    else {
-                        int(t): wire.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
-                        for t, lp in entry.items()
-                    }
-                )
+    async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
+        plan = await plan_chat(self.tokenizer, req, self._engine.model_config.max_model_len)
+        outs = await asyncio.gather(*(self._final(plan, req, i) for i in range(req.n)))
         return assemble_response(
             self.model_name,
             req,
             plan,
-            [self._choice(i, o.outputs[0], req, plan.top) for i, o in enumerate(outs)],
+            [
+                assemble_choice(self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan.top))
+                for i, o in enumerate(outs)
+            ],
             completion_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=self._prompt_entries(outs[0], req),
         )
 
-    def _choice(self, index: int, c: Any, req: wire.ChatCompletionRequest, top: int) -> wire.ChatChoice:
+    async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
+        plans = await plan_completion(self.tokenizer, req, self._engine.model_config.max_model_len)
+        n = req.n
+        outs = await asyncio.gather(*(self._final(plan, req, i) for plan in plans for i in range(n)))
+        choices = [
+            completion_choice(
+                self.tokenizer,
+                k,
+                req,
+                plans[k // n],
+                prompt_logprobs=self._prompt_entries(outs[k - k % n], req),
+                **self._outcome(o.outputs[0], req, plans[k // n].top),
+            )
+            for k, o in enumerate(outs)
+        ]
+        return assemble_completion(
+            self.model_name, plans, choices, completion_tokens=sum(len(o.outputs[0].token_ids) for o in outs)
+        )
+
+    def _outcome(self, c: Any, req: wire.SamplingRequest, top: int) -> dict[str, Any]:
+        """One finished vLLM ``CompletionOutput`` as the assembly's keywords: its text (vLLM's
+        stop rule), tokens, per-token versions (vLLM's spans), logprobs, finish and stop reason."""
         token_ids = [int(t) for t in c.token_ids]
-        entries = list(c.logprobs or []) if req.logprobs else []
-        finish: Literal["stop", "length", "abort"] = (
-            c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+        logprobs, tops = _token_logprobs(token_ids, c.logprobs, req, top)
+        return {
+            "text": str(c.text),
+            "token_ids": token_ids,
+            "versions": versions_from_spans(_spans(c.weight_versions), len(token_ids), engine="vLLM"),
+            "finish_reason": _finish(c.finish_reason),
+            "stop_reason": c.stop_reason,
+            "logprobs": logprobs,
+            "top_logprobs": tops,
+        }
+
+    def sample_steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
+        return self._steps(plan, req, i)
+
+    async def _steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
+        """vLLM's delta outputs of one sample as the kit's steps. vLLM 0.32 reports weight-version
+        spans only with a request's last output; a step's versions before that are read from the
+        spans its output processor keeps for the request as each engine step's tokens arrive
+        (the same record the final spans are made of)."""
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        processor = self._engine.output_processor
+        state: Any = None
+        done = 0  # tokens already stepped
+        outputs = self._engine.generate(
+            {"prompt_token_ids": plan.prompt_ids}, self._params(plan, req, i, stream=True), rid
         )
-        return assemble_choice(
-            self.tokenizer,
-            index,
-            req,
-            text=str(c.text),
-            token_ids=token_ids,
-            versions=versions_from_spans(
-                ((version_label(s.version), s.start, s.end) for s in c.weight_versions or []),
-                len(token_ids),
-                engine="vLLM",
-            ),
-            finish_reason=finish,
-            stop_reason=c.stop_reason,
-            logprobs=[entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
-            if req.logprobs
-            else (),
-            top_logprobs=[
-                [(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]]
-                for entry in entries
-            ]
-            if top
-            else None,
-        )
+        async with aclosing(outputs):  # closing early (the client left) aborts the request in vLLM
+            async for out in outputs:
+                c = out.outputs[0]
+                ids = [int(t) for t in c.token_ids]
+                end = done + len(ids)
+                if c.finish_reason is not None:
+                    versions = versions_from_spans(_spans(c.weight_versions), end, engine="vLLM")[done:]
+                else:
+                    if state is None:
+                        state = next((s for s in processor.request_states.values() if s.external_req_id == rid), None)
+                        if state is None:
+                            raise RuntimeError(f"vLLM keeps no state for request {rid} while it streams")
+                    versions = _versions_between(state.weight_version_starts, done, end)
+                logprobs, tops = _token_logprobs(ids, c.logprobs, req, plan.top)
+                yield TokenStep(
+                    ids,
+                    logprobs if logprobs else [0.0] * len(ids),
+                    versions,
+                    tops or (),
+                    _finish(c.finish_reason) if c.finish_reason is not None else None,
+                )
+                done = end
 
     # --- the server -------------------------------------------------------------------------------
 
@@ -280,6 +335,50 @@ class VLLMInferenceBackend(KitBackend):
         from pipelinerl_sdk_vllm.server import run
 
         run(self, config)
+
+
+def _wants_logprobs(req: wire.SamplingRequest) -> bool:
+    """Chat asks with ``logprobs: true``, completions with ``logprobs: N`` (0 included)."""
+    asked = getattr(req, "logprobs", None)
+    return asked is not None and asked is not False
+
+
+def _finish(reason: str | None) -> Literal["stop", "length", "abort"]:
+    return reason if reason in ("stop", "length", "abort") else "stop"  # type: ignore[return-value]
+
+
+def _spans(spans: Any) -> Iterator[tuple[int, int, int]]:
+    return ((version_label(s.version), s.start, s.end) for s in spans or [])
+
+
+def _versions_between(starts: list[tuple[str, int]], begin: int, end: int) -> list[int]:
+    """The versions of output tokens ``begin`` to ``end`` (exclusive) from vLLM's running record
+    of ``(version label, first token index)`` spans; RuntimeError where the record does not
+    cover them (a version never guessed)."""
+    if not starts or starts[0][1] > begin:
+        raise RuntimeError(f"vLLM recorded no weight version for tokens {begin}..{end}: {starts}")
+    out = []
+    for j in range(begin, end):
+        label = next(v for v, first in reversed(starts) if first <= j)
+        out.append(version_label(label))
+    return out
+
+
+def _token_logprobs(
+    token_ids: list[int], entries: Any, req: wire.SamplingRequest, top: int
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """The sampled tokens' raw logprobs and (``top`` > 0) their best ``top`` alternatives from
+    vLLM's per-token logprob dicts; nothing where the request did not ask."""
+    if not _wants_logprobs(req):
+        return [], None
+    entries = list(entries or [])
+    logprobs = [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
+    tops = (
+        [[(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]] for entry in entries]
+        if top
+        else None
+    )
+    return logprobs, tops
 
 
 __all__ = ["VLLMInferenceBackend"]

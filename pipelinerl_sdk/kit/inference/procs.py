@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["descendants", "idle_descendants"]
+__all__ = ["descendants", "idle_descendants", "idle_process"]
 
 _PROC = Path("/proc")
 
@@ -46,24 +46,28 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def idle_descendants(pid: int | None = None) -> int:
-    """Put every thread of every process below ``pid`` (this process by default) under the
-    ``SCHED_IDLE`` policy (Linux keeps a policy per thread; threads started later inherit their
-    creator's). Returns how many threads were set; threads that end meanwhile are passed over.
-    0 where the platform has no ``SCHED_IDLE``."""
+def idle_process(pid: int) -> int:
+    """Put every thread of process ``pid`` under the ``SCHED_IDLE`` policy (Linux keeps a policy
+    per thread; threads started later inherit their creator's). Returns how many threads were
+    set; threads that end meanwhile are passed over. 0 where the platform has no ``SCHED_IDLE``."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is None:
         return 0
+    try:
+        tids = [int(t.name) for t in (_PROC / str(pid) / "task").iterdir()]
+    except OSError:
+        return 0
     count = 0
-    for child in descendants(os.getpid() if pid is None else pid):
+    for tid in tids:
         try:
-            tids = [int(t.name) for t in (_PROC / str(child) / "task").iterdir()]
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+            count += 1
         except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setscheduler(tid, policy, os.sched_param(0))
-                count += 1
-            except OSError:
-                pass
+            pass
     return count
+
+
+def idle_descendants(pid: int | None = None) -> int:
+    """:func:`idle_process` for every process below ``pid`` (this process by default); returns
+    how many threads were set."""
+    return sum(idle_process(child) for child in descendants(os.getpid() if pid is None else pid))
