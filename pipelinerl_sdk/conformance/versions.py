@@ -71,6 +71,15 @@ def judge_tags(
     )
 
 
+async def room_left(sut: ServerUnderTest) -> int:
+    """Completion tokens the server's context leaves after :data:`PROMPT` (capped at
+    :data:`MAX_BUDGET`: the replay runs one forward per token)."""
+    async with sut.client() as client:
+        info = await client.info()
+        probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
+        return min(MAX_BUDGET, (info.max_model_len or MAX_BUDGET) - len(probe.prompt_token_ids or []) - 16)
+
+
 def _spans(tags: list[int]) -> str:
     out, start = [], 0
     for j in range(1, len(tags) + 1):
@@ -163,15 +172,7 @@ class VersionTagChecks:
                 failures.append(msg)
             return crossed, failures
 
-        async def room_left() -> int:
-            """Completion tokens the context leaves after the prompt (capped: the replay is
-            token by token)."""
-            async with server_under_test.client() as client:
-                info = await client.info()
-                probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
-                return min(MAX_BUDGET, (info.max_model_len or MAX_BUDGET) - len(probe.prompt_token_ids or []) - 16)
-
-        room = arun(room_left)
+        room = arun(functools.partial(room_left, server_under_test))
         for budget in retry_budgets(128, room):
             crossed, failures = arun(functools.partial(attempt, budget))
             assert not failures, "a version tag lies: " + " | ".join(failures)
@@ -240,13 +241,7 @@ class VersionTagChecks:
             assert ok, "a version tag lies: " + msg
             return len(set(choice.weight_versions)) > 1, ""
 
-        async def room_left() -> int:
-            async with server_under_test.client() as client:
-                info = await client.info()
-                probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
-                return min(MAX_BUDGET, (info.max_model_len or MAX_BUDGET) - len(probe.prompt_token_ids or []) - 16)
-
-        room = arun(room_left)
+        room = arun(functools.partial(room_left, server_under_test))
         for budget in retry_budgets(256, room):
             crossed, _ = arun(functools.partial(attempt, budget))
             if crossed:
