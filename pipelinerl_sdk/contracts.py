@@ -65,6 +65,9 @@ class InferenceCapabilities:
     streaming: bool = False
     #: ``/v1/completions`` with the contract's extensions (:meth:`InferenceBackend.completion`).
     completions: bool = False
+    #: Chat text constrained as asked: ``response_format`` ``json_object`` / ``json_schema``,
+    #: ``tool_choice`` ``required`` or a named function (the text becomes ``tool_calls``).
+    structured_outputs: bool = False
 
     def __post_init__(self) -> None:
         if self.per_token_versions is not True:

@@ -251,10 +251,59 @@ class ChatMessage(BaseModel):
         return out
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``{"name", "schema", "strict", "description"}``
+    (the schema read as ``json_schema_body``: ``schema`` is a pydantic name)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema_body: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """``response_format``: ``text``; ``json_object`` (any JSON object); ``json_schema`` (JSON
+    matching ``json_schema.schema``)."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs`` extension: at most one of ``json`` (a schema, object or
+    JSON text), ``json_object``, ``regex``, ``grammar`` (EBNF), ``choice``; ``disable_any_whitespace``
+    drops JSON's optional whitespace. ``whitespace_pattern``, ``structural_tag`` and
+    ``disable_additional_properties`` are refused (400 naming them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    #: ``json`` on the wire.
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputsParams:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        kinds = [k for k, v in given.items() if v is not None] + (["json_object"] if self.json_object else [])
+        if len(kinds) > 1:
+            raise ValueError(f"only one kind of structured output may be set, got {kinds}")
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not served")
+        if self.disable_additional_properties:
+            raise ValueError("disable_additional_properties is not served")
+        return self
 
 
 #: The OpenAI/vLLM range of the presence and frequency penalties.
@@ -344,8 +393,13 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    #: vLLM's extension (:class:`StructuredOutputsParams`); a structured ``response_format``
+    #: overrides its constraint, a forced ``tool_choice`` both.
+    structured_outputs: StructuredOutputsParams | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    #: False: ``tool_choice="required"`` makes exactly one call (vLLM's ``maxItems`` 1).
+    parallel_tool_calls: bool | None = True
 
     @property
     def token_budget(self) -> int | None:
@@ -406,6 +460,10 @@ class ChoiceLogprobs(WireModel):
 
 
 class AssistantMessage(WireModel):
+    """``tool_calls``: OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``
+    (``arguments`` JSON text), parsed from the text or forced by ``tool_choice``; ``content`` is
+    then the text before the calls (``""`` when there is none)."""
+
     role: Literal["assistant"] = "assistant"
     content: str
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
@@ -414,7 +472,9 @@ class AssistantMessage(WireModel):
 class ChatChoice(WireModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length", "abort"]
+    #: ``tool_calls``: tools were called (``tool_choice`` ``auto`` with a parser, or
+    #: ``required``); a named tool choice ends with ``stop``, as in vLLM.
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"]
     #: As in vLLM: the stop string or stop token id that ended the choice (None: end of sequence
     #: or length).
     stop_reason: str | int | None = None

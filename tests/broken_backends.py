@@ -555,6 +555,27 @@ class IgnoresPenalties(ReferenceInferenceBackend):
         return await super().chat_completion(req.model_copy(update=dropped))  # the bug
 
 
+class IgnoresStructuredOutput(ReferenceInferenceBackend):
+    """Takes ``response_format``, ``structured_outputs`` and a forced ``tool_choice``, and samples
+    free text (an adapter that forgets to map them onto its engine's grammar).
+
+    Caught by ``test_structured_output_follows_its_constraint``: "0 of 6 sampled choices follow
+    the constraint"."""
+
+    def _sampling(self, plan: ChatPlan, req: Any, i: int) -> SamplingParams:
+        return dataclasses.replace(super()._sampling(plan, req, i), constraint=None)  # the bug
+
+
+class ToolCallsAsText(ReferenceInferenceBackend):
+    """Constrains a forced tool call's text, then answers it as content with no ``tool_calls``
+    (an adapter that maps the grammar but not the answer).
+
+    Caught by ``test_forced_tool_choice_gives_tool_calls``: "0 of 6 choices are one valid call"."""
+
+    def _choice(self, index: int, r: GenerationResult, req: ChatCompletionRequest) -> ChatChoice:
+        return super()._choice(index, r, req.model_copy(update={"tool_choice": None}))  # the bug
+
+
 # --- not caught by any standard check (gaps of the suite) ----------------------------------------
 
 
@@ -661,6 +682,8 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
     "broken-drops-a-chunk": ("DropsAChunk", INFERENCE),
     "broken-streams-stop-strings": ("StreamsStopStrings", INFERENCE),
+    "broken-ignores-structured-output": ("IgnoresStructuredOutput", INFERENCE),
+    "broken-tool-calls-as-text": ("ToolCallsAsText", INFERENCE),
 }
 
 #: Correct backends built otherwise than the reference: every standard check must pass on them.

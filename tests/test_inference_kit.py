@@ -421,13 +421,15 @@ def test_engine_card_is_what_the_registry_and_the_backend_class_both_read(tiny_m
     registry = load_registry(autoload=False, plugins={"reference": plugin})
     entry = registry.get("inference", "reference")
     assert (entry.capabilities, entry.description, entry.factory) == (CARD.capabilities, CARD.description, CARD.factory)
-    full = dataclasses.replace(full_capabilities("direct", "staged"), streaming=True, completions=True)
+    full = dataclasses.replace(
+        full_capabilities("direct", "staged"), streaming=True, completions=True, structured_outputs=True
+    )
     assert ReferenceInferenceBackend.capabilities == CARD.capabilities == full
     assert CARD.capabilities.prompt_logprobs and CARD.capabilities.group_backends == {"gloo", "nccl"}
     config = ServeConfig(model=tiny_model, options={"threads": "1"})
     backend = registry.create_inference("reference", config)
     assert backend.name == "reference" and backend.capabilities == CARD.capabilities
-    known = r"\['max_batch_size', 'max_model_len', 'threads'\]"
+    known = r"\['max_batch_size', 'max_model_len', 'threads', 'tool_call_parser'\]"
     with pytest.raises(
         ValueError, match=rf"unknown option\(s\) for the reference backend: \['bad'\] \(known: {known}\)"
     ):

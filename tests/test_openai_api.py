@@ -6,6 +6,7 @@ tokens as text or ``token_id:N``, vLLM-shaped prompt logprobs, generation to the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,14 @@ import httpx
 import openai
 import pytest
 
+from pipelinerl_sdk.conformance.structured import TOOLS
 from pipelinerl_sdk.launch import ServerProcess
 
 pytestmark = pytest.mark.integration
 API_KEY = "sk-test-gen-api"
-CONTEXT = 160
+CONTEXT = 512
 MESSAGES: list[Any] = [{"role": "user", "content": "What is 12 + 7?"}]
+TOOL_F = {"type": "function", "function": {"name": "f"}}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def served(tiny_model: Path) -> Iterator[ServerProcess]:
         tiny_model,
         api_key=API_KEY,
         startup_timeout_s=120,
-        options={"threads": 1, "max_model_len": CONTEXT},
+        options={"threads": 1, "max_model_len": CONTEXT, "tool_call_parser": "hermes"},
     )
     proc.start()
     try:
@@ -71,10 +74,21 @@ def test_validation_error_is_bad_request_naming_param(client: openai.OpenAI, mod
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+        ({"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}}, "structured_outputs"),
+        ({"tools": [TOOL_F], "tool_choice": "required", "stream": True}, "tool_choice"),
+        ({"tools": [TOOL_F], "stream": True}, "stream"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"chat_template_kwargs": {"tokenize": False}}}, "chat_template_kwargs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
         ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
@@ -277,3 +291,55 @@ def test_pipelinerl_actor_request_shape(served: ServerProcess, model: str) -> No
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "<|im_end|>"
     assert [e["token"] for e in choice["logprobs"]["content"]] == ["token_id:2"]
+
+
+# --- structured output and tool calls through the official client ----------------------------------
+
+#: The conformance check's weather tool (a city of two).
+WEATHER = TOOLS[0]
+
+
+def test_json_schema_response_format(client: openai.OpenAI, model: str, tiny_model: Path) -> None:
+    """The client's ``response_format`` json_schema: every choice is JSON of the schema (optional
+    whitespace banned through ``logit_bias``, as the conformance check does)."""
+    from pipelinerl_sdk.conformance.structured import SCHEMA, follows_schema, whitespace_ban
+
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    ban = whitespace_ban(tiny_model)
+    resp = chat(client, model, response_format=fmt, n=3, temperature=1.0, seed=3, max_tokens=48, logit_bias=ban)
+    for c in resp.choices:
+        assert c.finish_reason == "stop" and follows_schema(json.loads(c.message.content)), c
+
+
+def test_required_tool_choice_gives_client_tool_calls(client: openai.OpenAI, model: str, tiny_model: Path) -> None:
+    from pipelinerl_sdk.conformance.structured import whitespace_ban
+
+    resp = chat(
+        client,
+        model,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        logit_bias=whitespace_ban(tiny_model),
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_hermes_tool_calls_are_parsed(client: openai.OpenAI, model: str) -> None:
+    """``tool_choice`` auto on a server started with ``tool_call_parser=hermes``: a text in
+    Hermes' format (forced here by a regex, the tiny model would not write it) comes back as the
+    client's ``tool_calls``, the text before it as content; with ``tool_choice`` none it stays text."""
+    block = r'I will check\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
+    extra = {"structured_outputs": {"regex": block}}
+    resp = chat(client, model, tools=[WEATHER], max_tokens=96, extra_body=extra)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will check.", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    plain = chat(client, model, tools=[WEATHER], tool_choice="none", max_tokens=96, extra_body=extra).choices[0]
+    assert plain.finish_reason == "stop" and not plain.message.tool_calls and "<tool_call>" in plain.message.content

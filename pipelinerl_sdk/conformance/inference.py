@@ -37,6 +37,7 @@ from pipelinerl_sdk.conformance.generation import GenerationChecks
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.sampling import SamplingChecks
 from pipelinerl_sdk.conformance.serving import ServingChecks
+from pipelinerl_sdk.conformance.structured import StructuredOutputChecks
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.conformance.versions import VersionTagChecks
 from pipelinerl_sdk.errors import FanOutError, ServerError
@@ -112,7 +113,7 @@ def _bad_update_cases(info: ServerInfo) -> dict[str, tuple[dict[str, Any] | str,
     }
 
 
-class InferenceContractTests(SamplingChecks, GenerationChecks, VersionTagChecks, ServingChecks):
+class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputChecks, VersionTagChecks, ServingChecks):
     """The inference contract, checked on ``server_under_test`` (one server per module)."""
 
     # --- schemas and basics ---------------------------------------------------------------------

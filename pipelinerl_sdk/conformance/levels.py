@@ -49,6 +49,9 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement("logit_bias", "logit_bias reaches the sampler (the loop does not bias)", loop=False),
         Requirement("penalties", "penalties reach the sampler (the loop samples the raw model)", loop=False),
         Requirement("streaming", "streamed chat equals the non-streamed one (the loop does not stream)", loop=False),
+        Requirement(
+            "structured_outputs", "JSON, regex, choice and forced tool calls (the loop samples free text)", loop=False
+        ),
     )
 }
 

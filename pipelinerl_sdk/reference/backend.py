@@ -11,6 +11,7 @@ arrived, so a failed update leaves the old weights serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from pipelinerl_sdk.kit.inference.chat import (
 )
 from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
 from pipelinerl_sdk.kit.inference.stream import TokenStep
+from pipelinerl_sdk.kit.inference.structured import Grammars
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
@@ -63,6 +65,8 @@ class ReferenceInferenceBackend(KitBackend):
         #: A full update is received into the spare buffer and swapped in (no copy in the pause).
         self._weights = DoubleBuffer()
         self._receiver: WeightReceiver | None = None
+        #: Structured output: the grammars of this tokenizer over the model's logits.
+        self._grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), sorted(self.engine.eos_token_ids))
 
     @property
     def version(self) -> int:
@@ -113,7 +117,10 @@ class ReferenceInferenceBackend(KitBackend):
     def _sampling(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> SamplingParams:
         """The engine's settings for sample ``i`` of ``req`` (prompt logprobs on the first)."""
         prompt_top = req.prompt_top
+        so = plan.structured
+        constraint = None if so is None else functools.partial(self._grammars.constraint, self._grammars.compile(so))
         return SamplingParams(
+            constraint=constraint,
             max_tokens=plan.max_tokens,
             logit_bias=tuple((req.logit_bias or {}).items()),
             **sampling_args(plan, req, i),
@@ -132,7 +139,9 @@ class ReferenceInferenceBackend(KitBackend):
         return frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.engine.eos_token_ids)
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len)
+        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len, structured=True)
+        if plan.structured is not None:  # compiled (and cached) off the event loop
+            await asyncio.to_thread(self._grammars.compile, plan.structured)
         results = await asyncio.gather(
             *(self.engine.generate(plan.prompt_ids, self._sampling(plan, req, i)) for i in range(req.n))
         )
@@ -167,7 +176,7 @@ class ReferenceInferenceBackend(KitBackend):
 
     def _choice(self, index: int, r: GenerationResult, req: wire.ChatCompletionRequest) -> wire.ChatChoice:
         """One choice (:meth:`_outcome`)."""
-        return assemble_choice(self.tokenizer, index, req, **self._outcome(r, req))
+        return assemble_choice(self.tokenizer, index, req, **self._outcome(r, req), tool_parser=self.tool_parser)
 
     async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
         plans = await plan_completion(self.tokenizer, req, self.engine.max_model_len)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 
 from pipelinerl_sdk.contracts import TrainerCapabilities
 from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 
-INFERENCE = replace(full_capabilities("direct", "staged"), streaming=True, completions=True)
+#: Structured output where xgrammar is installed (the ``structured`` extra).
+INFERENCE = replace(
+    full_capabilities("direct", "staged"),
+    streaming=True,
+    completions=True,
+    structured_outputs=importlib.util.find_spec("xgrammar") is not None,
+)
 
 INFERENCE_CARD = EngineCard(
     "reference",

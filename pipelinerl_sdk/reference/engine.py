@@ -31,6 +31,7 @@ from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.kit.inference.chat import FinishReason
 from pipelinerl_sdk.kit.inference.gate import PauseHandle, StepGate
 from pipelinerl_sdk.kit.inference.stream import TokenStep
+from pipelinerl_sdk.kit.inference.structured import GrammarConstraint
 from pipelinerl_sdk.reference.sampling import process_logits, sample
 
 __all__ = [
@@ -74,6 +75,11 @@ class SamplingParams:
     #: Called on the output ids after every token; True stops the request (``"stop"``): the
     #: stop strings (:class:`~pipelinerl_sdk.kit.inference.chat.StopRule`).
     stop_check: Callable[[Sequence[int]], bool] | None = None
+    #: Makes the sample's grammar constraint (structured output,
+    #: :class:`~pipelinerl_sdk.kit.inference.structured.GrammarConstraint`): tokens it forbids are
+    #: never drawn, and their logprobs are those of the masked distribution (as vLLM's); the
+    #: request stops (``"stop"``) once its text is complete.
+    constraint: Callable[[], GrammarConstraint] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` (an InvalidRequest naming the field) on out-of-range settings,
@@ -155,6 +161,7 @@ class _Request:
     prompt_ranks: list[int | None] | None = None
     prompt_tops: list[list[tuple[int, float]]] | None = None
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    constraint: GrammarConstraint | None = None
     cancelled: bool = False
     finish_reason: str | None = None
     #: Streamed requests: set (on the event loop) after every token and when the request ends.
@@ -364,6 +371,7 @@ class ContinuousBatchingEngine:
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids),
             generator=generator,
             progress=asyncio.Event() if streamed else None,
+            constraint=params.constraint() if params.constraint is not None else None,
         )
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=self._device)
@@ -609,9 +617,15 @@ class ContinuousBatchingEngine:
 
     def _record(self, request: _Request, logits: torch.Tensor, logp: torch.Tensor, version: int) -> None:
         """Sample ``request``'s next token from its fp32 ``logits`` row; record it, its logprob."""
-        params = request.params
+        params, constraint = request.params, request.constraint
+        if constraint is not None:
+            logits = logits.clone()
+            constraint.mask_(logits)
+            logp = torch.log_softmax(logits, dim=-1)
         processed = process_logits(logits, request.prompt, request.token_ids, request.bias, params)
         token = self._sample(processed, params, request.generator)
+        if constraint is not None:
+            constraint.accept(token)
         request.token_ids.append(token)
         request.logprobs.append(float(logp[token]))
         request.versions.append(version)
@@ -621,7 +635,11 @@ class ContinuousBatchingEngine:
         else:
             request.top_logprobs.append([])
         total = len(request.prompt) + len(request.token_ids)
-        if token in request.stop_ids or (params.stop_check is not None and params.stop_check(request.token_ids)):
+        if (
+            token in request.stop_ids
+            or (params.stop_check is not None and params.stop_check(request.token_ids))
+            or (constraint is not None and constraint.done)
+        ):
             request.finish_reason = "stop"
         elif len(request.token_ids) >= params.max_tokens or total >= self._max_model_len:
             request.finish_reason = "length"

@@ -398,6 +398,7 @@ class DynamoInferenceBackend(KitBackend):
             finish_reason=finish,
             logprobs=[float(lp) for lp in data["logprobs"]] if req.logprobs else (),
             top_logprobs=[[(int(t), float(lp)) for t, lp in entry[:top]] for entry in data["top"]] if top else None,
+            tool_parser=self.tool_parser,
         )
 
 

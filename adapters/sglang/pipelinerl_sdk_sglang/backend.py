@@ -391,6 +391,7 @@ class SGLangInferenceBackend(KitBackend):
             finish_reason="length" if reason == "length" else "stop",
             logprobs=[lp for lp, _tid, _ in entries],
             top_logprobs=[[(int(a[1]), float(a[0])) for a in (alts or [])[:top]] for alts in tops],
+            tool_parser=self.tool_parser,
         )
 
 

@@ -22,6 +22,7 @@ router mounted in front of it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -31,7 +32,7 @@ from typing import Any, Literal
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
-from pipelinerl_sdk.errors import GroupError, PluginError
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
     ChatPlan,
@@ -45,6 +46,7 @@ from pipelinerl_sdk.kit.inference.chat import (
 from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
 from pipelinerl_sdk.kit.inference.procs import idle_descendants
 from pipelinerl_sdk.kit.inference.stream import TokenStep
+from pipelinerl_sdk.kit.inference.structured import StructuredOutput
 from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, wait_jobs
 from pipelinerl_sdk_vllm.plugin import CARD
 
@@ -201,6 +203,7 @@ class VLLMInferenceBackend(KitBackend):
 
         return SamplingParams(
             n=1,
+            structured_outputs=_structured(plan.structured),
             logit_bias=dict(req.logit_bias) if req.logit_bias else None,
             **sampling_args(plan, req, i),
             max_tokens=plan.max_tokens,
@@ -242,14 +245,16 @@ class VLLMInferenceBackend(KitBackend):
         return entries
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = await plan_chat(self.tokenizer, req, self._engine.model_config.max_model_len)
+        plan = await plan_chat(self.tokenizer, req, self._engine.model_config.max_model_len, structured=True)
         outs = await asyncio.gather(*(self._final(plan, req, i) for i in range(req.n)))
         return assemble_response(
             self.model_name,
             req,
             plan,
             [
-                assemble_choice(self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan.top))
+                assemble_choice(
+                    self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan.top), tool_parser=self.tool_parser
+                )
                 for i, o in enumerate(outs)
             ],
             completion_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
@@ -382,3 +387,26 @@ def _token_logprobs(
 
 
 __all__ = ["VLLMInferenceBackend"]
+
+
+def _structured(so: StructuredOutput | None) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for ``so`` (None: free text): the same grammar kinds,
+    compiled by vLLM's own structured-output backend (xgrammar by default). A request's
+    ``disable_any_whitespace`` is refused (400): vLLM 0.32's backends read only the server's
+    ``--structured-outputs-config.disable_any_whitespace`` and would ignore it."""
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if not so.any_whitespace:
+        raise InvalidRequest(
+            "structured_outputs.disable_any_whitespace: vLLM applies only its server-wide setting, not a request's",
+            field="structured_outputs.disable_any_whitespace",
+        )
+    if so.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if so.kind == "json_schema":
+        return StructuredOutputsParams(json=so.spec)
+    if so.kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(so.spec or "[]"))
+    return StructuredOutputsParams(**{so.kind: so.spec})

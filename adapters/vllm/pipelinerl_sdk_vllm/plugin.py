@@ -19,7 +19,9 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - prompt logprobs and top logprobs come from vLLM's own sampler;
 #: - streamed chat and completions, and ``/v1/completions`` with per-token versions (the SDK's
 #:   route in place of vLLM's own).
-CAPABILITIES = dataclasses.replace(full_capabilities("direct", "staged"), streaming=True, completions=True)
+CAPABILITIES = dataclasses.replace(
+    full_capabilities("direct", "staged"), streaming=True, completions=True, structured_outputs=True
+)
 
 CARD = EngineCard(
     "vllm",

@@ -398,7 +398,7 @@ def test_vllm_serves_the_generation_api(vllm_server: ServerProcess) -> None:
             assert str(tid) in entry and {"logprob", "rank", "decoded_token"} <= set(entry[str(tid)])
         refused = (
             ({"temperature": 5}, "temperature"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         )
         for bad, param in refused:
             r = http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2, **bad})

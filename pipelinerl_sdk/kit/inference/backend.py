@@ -17,6 +17,7 @@ from pipelinerl_sdk.kit.inference.card import EngineCard
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
 from pipelinerl_sdk.kit.inference.completion import plan_completion
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks, completion_chunks
+from pipelinerl_sdk.kit.inference.tools import TOOL_CALL_PARSERS
 from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import (
     ChatCompletionChunk,
@@ -30,6 +31,11 @@ from pipelinerl_sdk.protocol import (
     SamplingRequest,
     WeightUpdateRequest,
 )
+
+#: Options every kit backend takes, beside its card's.
+KIT_OPTIONS = {
+    "tool_call_parser": f"parse tool calls from tool_choice 'auto' text ({', '.join(TOOL_CALL_PARSERS)})",
+}
 
 
 class KitBackend(InferenceBackend):
@@ -61,11 +67,15 @@ class KitBackend(InferenceBackend):
         card = self.card
         if card.engine is not None and importlib.util.find_spec(card.engine[0]) is None:
             raise PluginError(f"the {card.name} backend needs {card.engine[1]}")
-        unknown = set(config.options) - set(card.options)
+        known = {**KIT_OPTIONS, **card.options}
+        unknown = set(config.options) - set(known)
         if unknown:
             raise ValueError(
-                f"unknown option(s) for the {card.name} backend: {sorted(unknown)} (known: {sorted(card.options)})"
+                f"unknown option(s) for the {card.name} backend: {sorted(unknown)} (known: {sorted(known)})"
             )
+        parser = config.options.get("tool_call_parser")
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"option tool_call_parser: {parser!r} is not one of {list(TOOL_CALL_PARSERS)}")
         if not Path(config.model, "config.json").is_file():
             raise FileNotFoundError(f"model: no HF model at {config.model!r} (config.json missing)")
         caps = self.capabilities
@@ -87,6 +97,12 @@ class KitBackend(InferenceBackend):
         self.workers = 1
         #: The model's HF tokenizer (:meth:`read_model_files`, or the adapter's own).
         self.tokenizer: Any = None
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The server's tool-call parser (``--option tool_call_parser=NAME``), or None: with
+        ``tools`` and ``tool_choice`` ``auto`` the text is then plain content."""
+        return self.opts.get("tool_call_parser")
 
     def read_model_files(self) -> None:
         """Fill :attr:`tokenizer` (HF ``AutoTokenizer`` of the model directory) and :attr:`specs`
@@ -156,7 +172,13 @@ class KitBackend(InferenceBackend):
         (:func:`~pipelinerl_sdk.kit.inference.stream.chat_chunks`)."""
         if self.max_model_len is None:
             raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
-        plan = await plan_chat(self.tokenizer, req, self.max_model_len)
+        if req.tools and req.tool_choice in (None, "auto") and self.tool_parser is not None:
+            raise InvalidRequest(
+                f"stream: tool calls parsed by the server's {self.tool_parser!r} parser are not streamed yet "
+                "(use stream=false, or tool_choice 'none')",
+                field="stream",
+            )
+        plan = await plan_chat(self.tokenizer, req, self.max_model_len, structured=self.capabilities.structured_outputs)
         samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
         return chat_chunks(self.tokenizer, self.model_name, req, plan, samples, self.ending_ids(req))
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from pipelinerl_sdk.errors import InvalidRequest, PromptTooLong
+from pipelinerl_sdk.kit.inference.structured import StructuredOutput, structured_output
+from pipelinerl_sdk.kit.inference.tools import choice_tool_calls
 from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
     AssistantMessage,
@@ -46,7 +48,9 @@ class ChatPlan:
     context; without one in the request, the rest of the context, as vLLM), how many top
     alternatives to report (0: none), the stop strings and stop token ids, and the sampling values
     the engine computes with (``temperature`` 0 or at least :data:`MIN_TEMPERATURE`; ``top_p`` as
-    asked: an engine's top-p keeps at least the most likely token, however small it is)."""
+    asked: an engine's top-p keeps at least the most likely token, however small it is), and
+    what the text is constrained to (``structured``: a JSON ``response_format`` or a forced
+    ``tool_choice``; None: free text)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -55,6 +59,7 @@ class ChatPlan:
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 1.0
     top_p: float = 1.0
+    structured: StructuredOutput | None = None
 
 
 def sampling_temperature(temperature: float) -> float:
@@ -78,25 +83,33 @@ def check_text(req: ChatCompletionRequest) -> None:
 def refuse(req: ChatCompletionRequest, unsupported: Mapping[str, str]) -> None:
     """InvalidRequest naming the first field of ``unsupported`` (name -> why) the request sets
     to other than its default, and for what no backend serves yet: prompt logprobs in a stream
-    (vLLM refuses them too), a structured ``response_format``, a ``tool_choice`` that forces a
-    call. Whether a backend streams at all is the router's check (capability ``streaming``)."""
+    (vLLM refuses them too). Whether a backend streams at all is the router's check (capability
+    ``streaming``), whether it constrains text :func:`constrain`'s."""
     defaults = ChatCompletionRequest.model_fields
     for name, why in unsupported.items():
         if name in req.model_fields_set and getattr(req, name) != defaults[name].default:
             raise InvalidRequest(f"{name}: {why}", field=name)
     if req.stream and req.prompt_top is not None:
         raise InvalidRequest("prompt_logprobs: not available with stream=true (as in vLLM)", field="prompt_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
+
+
+def constrain(req: ChatCompletionRequest, served: bool) -> StructuredOutput | None:
+    """What ``req``'s text is constrained to (:func:`~.structured.structured_output`, which
+    checks it). InvalidRequest naming the field where the backend does not constrain text
+    (``served`` False: a structured ``response_format``, ``tool_choice`` ``required`` or a named
+    function), and for a forced tool choice in a stream (tool calls are not streamed)."""
+    so = structured_output(req)
+    if so is None:
+        return None
+    if not served:
         raise InvalidRequest(
-            f"response_format: type {req.response_format.type!r} (structured output) is not served; only 'text'",
-            field="response_format",
+            f"{so.field}: structured output ({so.kind}) is not served by this backend "
+            "(served: response_format 'text', tool_choice 'none' and 'auto')",
+            field=so.field,
         )
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest(
-            "tool_choice: only 'none' and 'auto' are served (the template renders the tools; the output is "
-            "plain text, no tool-call parser)",
-            field="tool_choice",
-        )
+    if req.stream and so.tool is not None:
+        raise InvalidRequest("tool_choice: a forced tool call is not streamed (use stream=false)", field="tool_choice")
+    return so
 
 
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest, max_model_len: int | None = None) -> list[int]:
@@ -205,15 +218,22 @@ def check_prompt_length(n: int, max_model_len: int | None, *, at_least: bool = F
 
 
 def prepare_chat(
-    tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, unsupported: Mapping[str, str] = {}
+    tokenizer: Any,
+    req: ChatCompletionRequest,
+    max_model_len: int,
+    *,
+    unsupported: Mapping[str, str] = {},
+    structured: bool = False,
 ) -> ChatPlan:
-    """Check the request (:func:`refuse` with the backend's ``unsupported`` fields), apply the
-    chat template and check the context. Raises :class:`InvalidRequest` (``top_logprobs``
+    """Check the request (:func:`refuse` with the backend's ``unsupported`` fields,
+    :func:`constrain` with whether it serves ``structured`` output), apply the chat template
+    and check the context. Raises :class:`InvalidRequest` (``top_logprobs``
     without ``logprobs``, an unsupported field) or :class:`PromptTooLong` (prompt plus budget
     past ``max_model_len``), each naming the field, as it does for text that is not valid
     Unicode (:func:`check_text`); the router answers 400. Runs on the caller's thread: from a
     coroutine, use :func:`plan_chat`."""
     refuse(req, unsupported)
+    so = constrain(req, structured)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", field="top_logprobs")
@@ -235,6 +255,7 @@ def prepare_chat(
         tuple(req.stop_token_ids or ()),
         sampling_temperature(req.temperature),
         req.top_p,
+        so,
     )
 
 
@@ -255,7 +276,12 @@ def sampling_args(plan: ChatPlan, req: SamplingRequest, i: int) -> dict[str, Any
 
 
 async def plan_chat(
-    tokenizer: Any, req: ChatCompletionRequest, max_model_len: int, *, unsupported: Mapping[str, str] = {}
+    tokenizer: Any,
+    req: ChatCompletionRequest,
+    max_model_len: int,
+    *,
+    unsupported: Mapping[str, str] = {},
+    structured: bool = False,
 ) -> ChatPlan:
     """:func:`prepare_chat` on a worker thread: the chat template and the tokenizer are CPU work
     that grows with the prompt, and on the event loop they would stall every other request
@@ -263,7 +289,9 @@ async def plan_chat(
     C heap's free pages go back to the system (:func:`trim_heap`): the tokenizer's working memory
     for it is many times the prompt's size."""
     try:
-        return await asyncio.to_thread(prepare_chat, tokenizer, req, max_model_len, unsupported=unsupported)
+        return await asyncio.to_thread(
+            prepare_chat, tokenizer, req, max_model_len, unsupported=unsupported, structured=structured
+        )
     finally:
         if sum(len(str(m.for_template()["content"])) for m in req.messages) >= TRIM_AFTER_CHARS:
             await asyncio.to_thread(trim_heap)
@@ -390,13 +418,17 @@ def assemble_choice(
     logprobs: Sequence[float] = (),
     top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None,
     stop_reason: str | int | None = None,
+    tool_parser: str | None = None,
 ) -> ChatChoice:
     """One choice: ``logprobs`` (raw, one per token) and ``top_logprobs`` (``(id, logprob)`` best
-    first, already cut to the request's count) are reported only if the request asked."""
+    first, already cut to the request's count) are reported only if the request asked; tool
+    calls forced by ``tool_choice`` or parsed by ``tool_parser``
+    (:func:`~pipelinerl_sdk.kit.inference.tools.choice_tool_calls`)."""
+    content, calls, finish = choice_tool_calls(req, text, finish_reason, tool_parser)
     return ChatChoice(
         index=index,
-        message=AssistantMessage(content=text),
-        finish_reason=finish_reason,
+        message=AssistantMessage(content=content, tool_calls=calls),
+        finish_reason=finish,  # type: ignore[arg-type]
         stop_reason=stop_reason,
         logprobs=choice_logprobs(tokenizer, token_ids, logprobs, top_logprobs, as_ids=req.return_tokens_as_token_ids)
         if req.logprobs
