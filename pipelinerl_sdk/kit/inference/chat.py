@@ -49,8 +49,8 @@ class ChatPlan:
     alternatives to report (0: none), the stop strings and stop token ids, and the sampling values
     the engine computes with (``temperature`` 0 or at least :data:`MIN_TEMPERATURE`; ``top_p`` as
     asked: an engine's top-p keeps at least the most likely token, however small it is), and
-    what the text is constrained to (``structured``: a JSON ``response_format`` or a forced
-    ``tool_choice``; None: free text)."""
+    what the text is constrained to (``structured``: a structured ``response_format``, vLLM's
+    ``structured_outputs`` or a forced ``tool_choice``; None: free text)."""
 
     prompt_ids: list[int]
     max_tokens: int
