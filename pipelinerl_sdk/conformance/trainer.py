@@ -97,14 +97,17 @@ class TrainerTolerance:
 #: declaring bfloat16 only (``tests/conformance_margins.py``): forward 0 (the same kernels as the
 #: plain model; the bound leaves room for other kernels and reduction orders, half the server's
 #: bfloat16 bound); step error 0.041 of the step after the two plain steps, 0.024 after the three
-#: clipped ones (bfloat16 gradients and rounding); grad norm rel 5.3e-3. A step at twice the lr is
+#: clipped ones (bfloat16 gradients and rounding); grad norm rel 5.3e-3 there, 2.05e-2 on another
+#: 2-core Xeon (its bf16 kernels round otherwise): the grad norm bound 5e-2 sits 2.4x above the
+#: worst seen, and the reduction bugs move the norm by 24% or more (broken-local-grads 0.24,
+#: broken-averages-grads 0.5, both checked in float32 anyway). A step at twice the lr is
 #: 1.13 off: the bound 0.15 sits 3.7x above a correct step and 7.5x below that twin. Enough for
 #: the bugs that matter (a wrong lr, missing betas or weight decay move the step by O(1)); an lr
 #: off by less than ~15% is not told from bfloat16 rounding in a bf16-only trainer (a trainer that
 #: also declares float32 is checked in float32, at 1e-6).
 TRAINER_TOLERANCES: dict[str, TrainerTolerance] = {
     "float32": TrainerTolerance(FORWARD_ATOL, FORWARD_ATOL, PARAM_ATOL, None, GRAD_NORM_RTOL, 1e-4),
-    "bfloat16": TrainerTolerance(0.25, 0.025, None, 0.15, 2e-2, 1e-2),
+    "bfloat16": TrainerTolerance(0.25, 0.025, None, 0.15, 5e-2, 1e-2),
 }
 #: Dtypes a check may run in, in order of preference.
 CHECK_DTYPES = ("float32", "bfloat16")
