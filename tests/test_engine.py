@@ -90,6 +90,12 @@ async def started(model: PreTrainedModel, **kwargs: Any) -> ContinuousBatchingEn
     return engine
 
 
+#: fp32 logprobs of cached, batched decoding against one full forward: the batch each token is
+#: decoded in depends on arrival timing, so the reduction order does too; 1.0014e-5 was seen once
+#: in a loaded CI run (a top alternative), 1e-5 or less in every other.
+BATCHED_LOGPROB_ATOL = 2e-5
+
+
 def test_greedy_batched_equals_hf_and_full_forward(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     eos = model.config.eos_token_id
     lengths = [24, 40, 8, 33, 17, 29]
@@ -121,11 +127,12 @@ def test_greedy_batched_equals_hf_and_full_forward(model: PreTrainedModel, promp
         ref = full_logprobs(model, prompt + res.token_ids)[len(prompt) - 1 : -1]
         targets = torch.tensor(res.token_ids)
         expected = ref.gather(-1, targets[:, None])[:, 0]
-        assert (torch.tensor(res.logprobs) - expected).abs().max().item() <= 1e-5
+        assert (torch.tensor(res.logprobs) - expected).abs().max().item() <= BATCHED_LOGPROB_ATOL
         top = ref.topk(3, dim=-1)
         for i, alternatives in enumerate(res.top_logprobs):
             assert [t for t, _ in alternatives] == top.indices[i].tolist()
-            assert max(abs(lp - e) for (_, lp), e in zip(alternatives, top.values[i].tolist(), strict=True)) <= 1e-5
+            diffs = [abs(lp - e) for (_, lp), e in zip(alternatives, top.values[i].tolist(), strict=True)]
+            assert max(diffs) <= BATCHED_LOGPROB_ATOL
             assert alternatives[0][0] == res.token_ids[i]  # greedy picks the best
 
 
