@@ -296,9 +296,10 @@ class VLLMInferenceBackend(KitBackend):
         }
 
     def sample_steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
-        return self._steps(plan, req, i)
+        # vLLM's params made here, before the stream starts: a refusal in them is still a 400
+        return self._steps(plan, req, self._params(plan, req, i, stream=True))
 
-    async def _steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
+    async def _steps(self, plan: ChatPlan, req: wire.SamplingRequest, params: Any) -> AsyncIterator[TokenStep]:
         """vLLM's delta outputs of one sample as the kit's steps. vLLM 0.32 reports weight-version
         spans only with a request's last output; a step's versions before that are read from the
         spans its output processor keeps for the request as each engine step's tokens arrive
@@ -307,9 +308,7 @@ class VLLMInferenceBackend(KitBackend):
         processor = self._engine.output_processor
         state: Any = None
         done = 0  # tokens already stepped
-        outputs = self._engine.generate(
-            {"prompt_token_ids": plan.prompt_ids}, self._params(plan, req, i, stream=True), rid
-        )
+        outputs = self._engine.generate({"prompt_token_ids": plan.prompt_ids}, params, rid)
         async with aclosing(outputs):  # closing early (the client left) aborts the request in vLLM
             async for out in outputs:
                 c = out.outputs[0]
