@@ -535,10 +535,14 @@ class ChatCompletionResponse(WireModel):
 
 
 class ChunkDelta(WireModel):
-    """What a stream chunk adds to a choice: the role (first chunk only) and text."""
+    """What a stream chunk adds to a choice: the role (first chunk only), text, and tool-call
+    parts as OpenAI streams them: ``{"index", "id", "type", "function": {"name", "arguments"}}``
+    on a call's first part, ``{"index", "function": {"arguments"}}`` on the later ones (a
+    client joins the ``arguments`` of one ``index``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class StreamChunk(WireModel):
@@ -557,7 +561,8 @@ class StreamedChoice(WireModel):
     token, always), and on the choice's last content chunk ``finish_reason``/``stop_reason``."""
 
     index: int
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    #: ``tool_calls``: chat only (as :class:`ChatChoice`'s).
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
     weight_versions: list[int] = Field(default_factory=list)

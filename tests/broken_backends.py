@@ -654,6 +654,19 @@ class StreamsStopStrings(ReferenceInferenceBackend):
         return chat_chunks(self.tokenizer, self.model_name, blind, plan, samples, self.ending_ids(req))
 
 
+class StreamsToolCallsAsText(ReferenceInferenceBackend):
+    """Answers a forced tool call right when not streamed, but streams its text as content with
+    no tool-call parts (a relay that passes the engine's text through).
+
+    Caught by ``test_streamed_tool_calls_add_up_to_the_non_streamed_calls``: "streamed calls []"."""
+
+    async def chat_completion_stream(self, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len, structured=True)
+        samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
+        blind = req.model_copy(update={"tool_choice": "none"})  # the bug: the stream never sees the tool choice
+        return chat_chunks(self.tokenizer, self.model_name, blind, plan, samples, self.ending_ids(req))
+
+
 #: Backend name -> (class name, capabilities); the standard checks catch each of these.
 CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-updates": ("IgnoresUpdates", INFERENCE),
@@ -684,6 +697,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-streams-stop-strings": ("StreamsStopStrings", INFERENCE),
     "broken-ignores-structured-output": ("IgnoresStructuredOutput", INFERENCE),
     "broken-tool-calls-as-text": ("ToolCallsAsText", INFERENCE),
+    "broken-streams-tool-calls-as-text": ("StreamsToolCallsAsText", INFERENCE),
 }
 
 #: Correct backends built otherwise than the reference: every standard check must pass on them.

@@ -77,8 +77,6 @@ def test_validation_error_is_bad_request_naming_param(client: openai.OpenAI, mod
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
         ({"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}}, "structured_outputs"),
-        ({"tools": [TOOL_F], "tool_choice": "required", "stream": True}, "tool_choice"),
-        ({"tools": [TOOL_F], "stream": True}, "stream"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"chat_template_kwargs": {"tokenize": False}}}, "chat_template_kwargs"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -343,3 +341,45 @@ def test_hermes_tool_calls_are_parsed(client: openai.OpenAI, model: str) -> None
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
     plain = chat(client, model, tools=[WEATHER], tool_choice="none", max_tokens=96, extra_body=extra).choices[0]
     assert plain.finish_reason == "stop" and not plain.message.tool_calls and "<tool_call>" in plain.message.content
+
+
+def joined_stream(client: openai.OpenAI, model: str, **kw: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """(content, {call index: {id, name, arguments}}, finish reason) of a streamed choice 0,
+    joined as a client joins deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for part in ch.delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += part.id or ""
+                call["name"] += (part.function.name if part.function else None) or ""
+                call["arguments"] += (part.function.arguments if part.function else None) or ""
+            finish = ch.finish_reason or finish
+    return content, calls, finish
+
+
+def test_streamed_tool_calls_add_up_to_the_non_streamed_ones(
+    client: openai.OpenAI, model: str, tiny_model: Path
+) -> None:
+    """Streamed with the official client, a seeded choice's joined deltas give the same content,
+    calls (name, arguments) and finish reason as the same request not streamed: ``required``,
+    a named function (its arguments streamed part by part) and hermes-parsed calls."""
+    from pipelinerl_sdk.conformance.structured import whitespace_ban
+
+    block = r'I will check\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
+    ban = whitespace_ban(tiny_model)
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    cases: list[dict[str, Any]] = [
+        {"tool_choice": "required", "parallel_tool_calls": False, "logit_bias": ban},
+        {"tool_choice": named, "logit_bias": ban},
+        {"extra_body": {"structured_outputs": {"regex": block}}},
+    ]
+    for kw in cases:
+        kw = {"tools": [WEATHER], "max_tokens": 96, "seed": 5, "temperature": 1.0, **kw}
+        want = chat(client, model, **kw).choices[0]
+        content, calls, finish = joined_stream(client, model, **kw)
+        assert finish == want.finish_reason and content == (want.message.content or ""), (kw, content, want)
+        got = [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)]
+        assert got == [(c.function.name, c.function.arguments) for c in want.message.tool_calls or []], (kw, got)
+        assert got and all(calls[k]["id"].startswith("chatcmpl-tool-") for k in calls), calls

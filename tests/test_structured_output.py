@@ -4,17 +4,20 @@ constraint a Python-loop engine applies (driven token by token over the tiny tok
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.kit.inference.chat import constrain
 from pipelinerl_sdk.kit.inference.structured import Grammars, structured_output
-from pipelinerl_sdk.kit.inference.tools import choice_tool_calls, parse_hermes
+from pipelinerl_sdk.kit.inference.tools import ToolCallStream, choice_tool_calls, parse_hermes
 from pipelinerl_sdk.protocol import ChatCompletionRequest
 from pipelinerl_sdk.reference.tiny import build_tokenizer
 
@@ -107,9 +110,6 @@ def test_a_backend_without_structured_output_refuses_it_naming_the_field() -> No
         with pytest.raises(InvalidRequest) as e:
             constrain(req(**kw), served=False)
         assert e.value.field == field and "not served" in str(e.value)
-    with pytest.raises(InvalidRequest) as e:
-        constrain(req(tools=[WEATHER], tool_choice="required", stream=True), served=True)
-    assert e.value.field == "tool_choice"
     assert constrain(req(tools=[WEATHER], tool_choice="auto"), served=False) is None
 
 
@@ -186,3 +186,71 @@ def test_grammar_constraint_makes_only_valid_texts() -> None:
     with pytest.raises(InvalidRequest) as e:
         grammars.compile(structured_output(req(structured_outputs={"grammar": "root ::= ("})))  # type: ignore[arg-type]
     assert e.value.field == "structured_outputs"
+
+
+_TEXTS = [
+    "",
+    "  ",
+    "plain text, no call",
+    "I will check.<tool_call>",
+    'I will check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    'a <tool_c b<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "now"}',
+    'x <tool_call>{"name": 3}</tool_call>',
+    '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "now", "parameters": {}}]',
+    '{"city": "Rome"}',
+    ' \n{"city": 1}',
+    "[{]",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.sampled_from(_TEXTS) | st.text(alphabet='<tol_ca>{}[]" :,namecity', max_size=40),
+    cuts=st.lists(st.integers(0, 120), max_size=8),
+    choice=st.sampled_from(["none", "auto", "required", "named", None]),
+    parser=st.sampled_from([None, "hermes"]),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_streamed_tool_calls_add_up_to_the_choice(
+    text: str, cuts: list[int], choice: str | None, parser: str | None, finish: str
+) -> None:
+    """However a choice's text is cut into deltas, the streamed content joins to the
+    non-streamed content, the tool-call parts (joined by index) to its calls (ids aside: each
+    call's id on its first part only, with its type and name), the finish reason is the same."""
+    kw: dict[str, Any] = {"tools": [WEATHER, CLOCK]}
+    if choice == "named":
+        kw["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    elif choice is not None:
+        kw["tool_choice"] = choice
+    r = req(**kw)
+    want_content, want_calls, want_finish = choice_tool_calls(r, text, finish, parser)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)] or [""]
+    stream, content, joined, last = ToolCallStream(r, parser), "", {}, None
+    for k, piece in enumerate(pieces):
+        done = k == len(pieces) - 1
+        delta, parts, reason = stream.step(piece, finish if done else None)
+        assert (reason is None) == (not done)
+        content, last = content + delta, reason
+        for p in parts:
+            if p["index"] not in joined:
+                assert p["type"] == "function" and p["id"].startswith("chatcmpl-tool-"), p
+                joined[p["index"]] = {"name": p["function"]["name"], "arguments": ""}
+            else:
+                assert "id" not in p and "name" not in p["function"], p
+            joined[p["index"]]["arguments"] += p["function"]["arguments"]
+    assert content == want_content and last == want_finish
+    assert [joined[k] for k in sorted(joined)] == [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in want_calls
+    ]
+
+
+def test_hermes_content_streams_before_the_call_and_holds_a_partial_tag() -> None:
+    r, s = req(tools=[WEATHER]), None
+    s = ToolCallStream(r, "hermes")
+    assert s.step("I will <tool", None) == ("I will ", [], None)
+    assert s.step("_c", None) == ("", [], None)  # may still become <tool_call>
+    assert s.step("ar", None) == ("<tool_car", [], None)
+    assert s.step(' then<tool_call>{"name": "now"}', None) == (" then", [], None)
+    content, parts, finish = s.step("</tool_call>", "stop")
+    assert content == "" and finish == "tool_calls" and parts[0]["function"] == {"name": "now", "arguments": "{}"}

@@ -14,6 +14,11 @@ the schema. Each is gated on the capability the backend declares.
   with the finish reason on the last content chunk only; with ``stop_strings`` declared, the same
   for a greedy request with a stop string. Exact (no tolerance): one token dropped or sent
   twice, or one character of a stop string streamed, is a failure.
+- Streamed tool calls (``streaming`` and ``structured_outputs``; ``logit_bias`` bans the
+  whitespace-only tokens, as the structured-output checks do): a greedy ``tool_choice``
+  ``required`` and a named-function request, streamed, join (content, and the tool-call parts by
+  index) to the non-streamed message's content and calls, with its finish reason and its tokens'
+  ids and versions; each call's id, type and name come on its first part. Exact.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import pytest
 
 from pipelinerl_sdk.conformance.common import PROMPT, arun
 from pipelinerl_sdk.conformance.mirror import Mirror
+from pipelinerl_sdk.conformance.structured import TOOLS, whitespace_ban
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionChunk
@@ -161,6 +167,81 @@ class GenerationChecks:
             check_stream(cut.choices, cut_chunks, f"with stop={stop!r}: ")
 
         arun(body_)
+
+    @pytest.mark.requires("streaming", "structured_outputs", "logit_bias")
+    def test_streamed_tool_calls_add_up_to_the_non_streamed_calls(self, server_under_test: ServerUnderTest) -> None:
+        """A forced tool choice streamed (greedy: ``required`` with one call, and a named
+        function) joins to the non-streamed message: same content, the same calls (name and
+        arguments, parts joined by index), the finish reason on the last chunk, the same token
+        ids and versions (module docstring). Exact."""
+        base: dict[str, Any] = {
+            "messages": PROMPT,
+            "max_tokens": 96,
+            "temperature": 0,
+            "tools": TOOLS,
+            "logit_bias": whitespace_ban(server_under_test.model_dir),
+            "return_token_ids": True,
+        }
+        named = {"type": "function", "function": {"name": "get_time"}}
+        cases: dict[str, dict[str, Any]] = {
+            "tool_choice='required'": {"tool_choice": "required", "parallel_tool_calls": False},
+            "tool_choice get_time": {"tool_choice": named},
+        }
+
+        async def body() -> None:
+            for what, extra in cases.items():
+                async with server_under_test.client() as client:
+                    whole = await client.chat({**base, **extra})
+                    chunks = [c async for c in client.chat_stream({**base, **extra})]
+                (choice,) = whole.choices
+                want = [(c["function"]["name"], c["function"]["arguments"]) for c in choice.message.tool_calls]
+                assert want, f"{what}: the non-streamed choice has no tool call: {choice.message}"
+                content, calls = streamed_message(chunks, what)
+                assert calls == want, f"{what}: streamed calls {calls} != non-streamed {want}"
+                assert content == choice.message.content, (
+                    f"{what}: streamed content {content!r} != non-streamed {choice.message.content!r}"
+                )
+                streamed = choice.model_copy(update={"message": choice.message.model_copy(update={"content": ""})})
+                check_stream([streamed], [chunks[0], *_without_content(chunks[1:])], f"{what}: ")
+
+        arun(body)
+
+
+def streamed_message(chunks: list[ChatCompletionChunk], what: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)] by index) of choice 0 of ``chunks``, joined as a client
+    joins them; AssertionError where a call's first part lacks its id, type or name, or a later
+    part repeats them."""
+    content, calls = "", {}
+    for ch in chunks[1:]:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for part in c.delta.tool_calls or []:
+                fn = part.get("function") or {}
+                if part["index"] not in calls:
+                    assert part.get("id") and part.get("type") == "function" and fn.get("name"), (
+                        f"{what}: a call's first streamed part lacks its id, type or name: {part}"
+                    )
+                    calls[part["index"]] = [fn["name"], ""]
+                else:
+                    assert "id" not in part and "name" not in fn, (
+                        f"{what}: a later part repeats the call's id or name: {part}"
+                    )
+                calls[part["index"]][1] += fn.get("arguments", "")
+    return content, [(n, a) for n, a in (calls[k] for k in sorted(calls))]
+
+
+def _without_content(chunks: list[ChatCompletionChunk]) -> list[ChatCompletionChunk]:
+    """``chunks`` with their text content dropped (compared separately)."""
+    return [
+        ch.model_copy(
+            update={
+                "choices": [
+                    c.model_copy(update={"delta": c.delta.model_copy(update={"content": None})}) for c in ch.choices
+                ]
+            }
+        )
+        for ch in chunks
+    ]
 
 
 def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk], what: str = "") -> None:

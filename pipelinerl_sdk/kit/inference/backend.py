@@ -172,15 +172,9 @@ class KitBackend(InferenceBackend):
         (:func:`~pipelinerl_sdk.kit.inference.stream.chat_chunks`)."""
         if self.max_model_len is None:
             raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
-        if req.tools and req.tool_choice in (None, "auto") and self.tool_parser is not None:
-            raise InvalidRequest(
-                f"stream: tool calls parsed by the server's {self.tool_parser!r} parser are not streamed yet "
-                "(use stream=false, or tool_choice 'none')",
-                field="stream",
-            )
         plan = await plan_chat(self.tokenizer, req, self.max_model_len, structured=self.capabilities.structured_outputs)
         samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
-        return chat_chunks(self.tokenizer, self.model_name, req, plan, samples, self.ending_ids(req))
+        return chat_chunks(self.tokenizer, self.model_name, req, plan, samples, self.ending_ids(req), self.tool_parser)
 
     async def completion_stream(self, req: CompletionRequest) -> AsyncIterator[CompletionChunk]:
         """Streamed ``/v1/completions`` from :meth:`sample_steps` (capabilities ``streaming``

@@ -97,7 +97,7 @@ def constrain(req: ChatCompletionRequest, served: bool) -> StructuredOutput | No
     """What ``req``'s text is constrained to (:func:`~.structured.structured_output`, which
     checks it). InvalidRequest naming the field where the backend does not constrain text
     (``served`` False: a structured ``response_format``, ``tool_choice`` ``required`` or a named
-    function), and for a forced tool choice in a stream (tool calls are not streamed)."""
+    function)."""
     so = structured_output(req)
     if so is None:
         return None
@@ -107,8 +107,6 @@ def constrain(req: ChatCompletionRequest, served: bool) -> StructuredOutput | No
             "(served: response_format 'text', tool_choice 'none' and 'auto')",
             field=so.field,
         )
-    if req.stream and so.tool is not None:
-        raise InvalidRequest("tool_choice: a forced tool call is not streamed (use stream=false)", field="tool_choice")
     return so
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, FinishReason, StopRule
 from pipelinerl_sdk.kit.inference.completion import completion_logprobs
+from pipelinerl_sdk.kit.inference.tools import ToolCallStream
 from pipelinerl_sdk.logprobs import choice_logprobs
 from pipelinerl_sdk.protocol import (
     ChatCompletionChunk,
@@ -158,12 +159,14 @@ async def chat_chunks(
     plan: ChatPlan,
     samples: Sequence[AsyncIterator[TokenStep]],
     stop_ids: frozenset[int],
+    tool_parser: str | None = None,
 ) -> AsyncIterator[ChatCompletionChunk]:
     """The chunks of a streamed chat from its ``req.n`` ``samples``: each choice's role first
     (``prompt_token_ids`` with ``return_token_ids``), then one chunk per step of a sample, the
-    text it releases (:func:`released`), its tokens' logprobs (if asked), ids (if asked) and
-    weight versions, the finish reason on its last; with ``stream_options.include_usage`` a
-    last chunk with the usage."""
+    text it releases (:func:`released`) as content or tool-call parts
+    (:class:`~pipelinerl_sdk.kit.inference.tools.ToolCallStream`, ``tool_parser`` the server's),
+    its tokens' logprobs (if asked), ids (if asked) and weight versions, the finish reason on its
+    last; with ``stream_options.include_usage`` a last chunk with the usage."""
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChunkChoice], **kw: object) -> ChatCompletionChunk:
@@ -174,14 +177,16 @@ async def chat_chunks(
         prompt_token_ids=list(plan.prompt_ids) if req.return_token_ids else None,
     )
     completion_tokens = 0
+    calls = [ToolCallStream(req, tool_parser) for _ in samples]
     async with aclosing(released(tokenizer, req, samples, stop_ids)) as steps:
         async for i, delta, stop_reason, step in steps:
             completion_tokens += len(step.token_ids)
+            content, parts, finish_reason = calls[i].step(delta, step.finish_reason)
             yield chunk(
                 [
                     ChunkChoice(
                         index=i,
-                        delta=ChunkDelta(content=delta),
+                        delta=ChunkDelta(content=content, tool_calls=parts or None),
                         logprobs=choice_logprobs(
                             tokenizer,
                             step.token_ids,
@@ -191,7 +196,7 @@ async def chat_chunks(
                         )
                         if req.logprobs
                         else None,
-                        finish_reason=step.finish_reason,
+                        finish_reason=finish_reason,  # type: ignore[arg-type]
                         stop_reason=stop_reason,
                         token_ids=list(step.token_ids) if req.return_token_ids else None,
                         weight_versions=list(step.versions),

@@ -12,6 +12,12 @@
 
 Text that does not parse stays content, with no calls (as vLLM). Content is the text before
 the first call (``""`` when none).
+
+Streamed (:class:`ToolCallStream`), a choice's deltas add up to the same message: a named
+function's arguments stream as they are released (the call's id, type and name on its first
+part, as vLLM streams them); ``required`` calls and parsed calls come whole in the choice's last
+chunk, since only the finished text says whether it parses (Hermes content before the first
+``<tool_call>`` streams as it comes).
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ from typing import Any
 from pipelinerl_sdk.kit.inference.structured import forced_tool
 from pipelinerl_sdk.protocol import ChatCompletionRequest
 
-__all__ = ["TOOL_CALL_PARSERS", "choice_tool_calls", "parse_hermes"]
+__all__ = ["TOOL_CALL_PARSERS", "ToolCallStream", "choice_tool_calls", "parse_hermes"]
 
 #: Tool-call parsers a server can be started with (``--option tool_call_parser=NAME``).
 TOOL_CALL_PARSERS = ("hermes",)
 
+_TAG = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
 
@@ -91,3 +98,71 @@ def choice_tool_calls(
         content, calls = parse_hermes(text)
         return content, calls, "tool_calls" if calls else finish_reason
     return text, [], finish_reason
+
+
+def _tag_start(text: str) -> int:
+    """Where in ``text`` a Hermes call begins or may begin: the first ``<tool_call>``, else the
+    longest end that is a start of one (it may complete into it), else ``len(text)``."""
+    at = text.find(_TAG)
+    if at >= 0:
+        return at
+    for k in range(min(len(_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(_TAG[:k]):
+            return len(text) - k
+    return len(text)
+
+
+class ToolCallStream:
+    """One streamed choice's tool calls (module docstring): :meth:`step` turns the text a step
+    releases into (content delta, tool-call parts, finish reason) so that the content deltas
+    add up to the non-streamed message's ``content`` and the parts to its ``tool_calls``
+    (ids aside), with the same finish reason (:func:`choice_tool_calls`)."""
+
+    def __init__(self, req: ChatCompletionRequest, parser: str | None) -> None:
+        self.req, self.parser = req, parser
+        self.mode: str | None = None  # None: plain text; "named", "required", "hermes"
+        self.name: str | None = None
+        if req.tools and req.tool_choice != "none":
+            tool = forced_tool(req)
+            if tool == "required":
+                self.mode = "required"
+            elif tool is not None:
+                self.mode, self.name = "named", tool
+            elif parser == "hermes":
+                self.mode = "hermes"
+        self.text = ""
+        self.sent = 0  # characters of text sent as content (hermes) or as arguments (named)
+        self.call_id: str | None = None
+
+    def step(self, delta: str, finish_reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """(content to send, tool-call parts to send, finish reason) for a step that released
+        ``delta`` (``finish_reason`` set on the choice's last step)."""
+        if self.mode is None:
+            return delta, [], finish_reason
+        self.text += delta
+        done = finish_reason is not None
+        if self.mode == "named":
+            return self._named(done), self._named_parts(done), finish_reason
+        if not done:
+            if self.mode == "hermes":
+                upto = _tag_start(self.text)
+                out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+                return out, [], None
+            return "", [], None
+        content, calls, finish = choice_tool_calls(self.req, self.text, finish_reason or "stop", self.parser)
+        parts = [{"index": k, **c} for k, c in enumerate(calls)]
+        return content[self.sent :], parts, finish  # what was sent is a start of the content
+
+    def _named(self, done: bool) -> str:
+        # whitespace-only text is content (no call), as the non-streamed choice has it
+        return self.text if done and self.call_id is None and not self.text.strip() else ""
+
+    def _named_parts(self, done: bool) -> list[dict[str, Any]]:
+        if self.call_id is None:
+            if not self.text.strip():
+                return []
+            call = _call(self.name or "", self.text)
+            self.call_id, self.sent = call["id"], len(self.text)
+            return [{"index": 0, **call}]
+        new, self.sent = self.text[self.sent :], len(self.text)
+        return [{"index": 0, "function": {"arguments": new}}] if new else []
