@@ -186,3 +186,15 @@ def test_grammar_constraint_makes_only_valid_texts() -> None:
     with pytest.raises(InvalidRequest) as e:
         grammars.compile(structured_output(req(structured_outputs={"grammar": "root ::= ("})))  # type: ignore[arg-type]
     assert e.value.field == "structured_outputs"
+
+
+def test_disable_any_whitespace_holds_for_a_forced_tool_call() -> None:
+    """The extension's ``disable_any_whitespace`` holds for a forced tool call's JSON too (the
+    conformance checks use it on a backend without ``logit_bias``); without it, any whitespace."""
+    for choice in ("required", {"type": "function", "function": {"name": WEATHER["function"]["name"]}}):
+        tight = structured_output(
+            req(tools=[WEATHER], tool_choice=choice, structured_outputs={"disable_any_whitespace": True})
+        )
+        loose = structured_output(req(tools=[WEATHER], tool_choice=choice))
+        assert tight is not None and tight.field == "tool_choice" and not tight.any_whitespace
+        assert loose is not None and loose.any_whitespace
