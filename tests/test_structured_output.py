@@ -254,3 +254,15 @@ def test_hermes_content_streams_before_the_call_and_holds_a_partial_tag() -> Non
     assert s.step(' then<tool_call>{"name": "now"}', None) == (" then", [], None)
     content, parts, finish = s.step("</tool_call>", "stop")
     assert content == "" and finish == "tool_calls" and parts[0]["function"] == {"name": "now", "arguments": "{}"}
+
+
+def test_disable_any_whitespace_holds_for_a_forced_tool_call() -> None:
+    """The extension's ``disable_any_whitespace`` holds for a forced tool call's JSON too (the
+    conformance checks use it on a backend without ``logit_bias``); without it, any whitespace."""
+    for choice in ("required", {"type": "function", "function": {"name": WEATHER["function"]["name"]}}):
+        tight = structured_output(
+            req(tools=[WEATHER], tool_choice=choice, structured_outputs={"disable_any_whitespace": True})
+        )
+        loose = structured_output(req(tools=[WEATHER], tool_choice=choice))
+        assert tight is not None and tight.field == "tool_choice" and not tight.any_whitespace
+        assert loose is not None and loose.any_whitespace

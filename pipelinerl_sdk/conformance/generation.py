@@ -14,8 +14,8 @@ the schema. Each is gated on the capability the backend declares.
   with the finish reason on the last content chunk only; with ``stop_strings`` declared, the same
   for a greedy request with a stop string. Exact (no tolerance): one token dropped or sent
   twice, or one character of a stop string streamed, is a failure.
-- Streamed tool calls (``streaming`` and ``structured_outputs``; ``logit_bias`` bans the
-  whitespace-only tokens, as the structured-output checks do): a greedy ``tool_choice``
+- Streamed tool calls (``streaming`` and ``structured_outputs``; optional JSON whitespace kept
+  out as the structured-output checks do): a greedy ``tool_choice``
   ``required`` and a named-function request, streamed, join (content, and the tool-call parts by
   index) to the non-streamed message's content and calls, with its finish reason and its tokens'
   ids and versions; each call's id, type and name come on its first part. Exact.
@@ -29,7 +29,7 @@ import pytest
 
 from pipelinerl_sdk.conformance.common import PROMPT, arun
 from pipelinerl_sdk.conformance.mirror import Mirror
-from pipelinerl_sdk.conformance.structured import TOOLS, whitespace_ban
+from pipelinerl_sdk.conformance.structured import TOOLS, no_whitespace
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import ChatChoice, ChatCompletionChunk
@@ -168,7 +168,7 @@ class GenerationChecks:
 
         arun(body_)
 
-    @pytest.mark.requires("streaming", "structured_outputs", "logit_bias")
+    @pytest.mark.requires("streaming", "structured_outputs")
     def test_streamed_tool_calls_add_up_to_the_non_streamed_calls(self, server_under_test: ServerUnderTest) -> None:
         """A forced tool choice streamed (greedy: ``required`` with one call, and a named
         function) joins to the non-streamed message: same content, the same calls (name and
@@ -179,8 +179,8 @@ class GenerationChecks:
             "max_tokens": 96,
             "temperature": 0,
             "tools": TOOLS,
-            "logit_bias": whitespace_ban(server_under_test.model_dir),
             "return_token_ids": True,
+            **no_whitespace(server_under_test),
         }
         named = {"type": "function", "function": {"name": "get_time"}}
         cases: dict[str, dict[str, Any]] = {

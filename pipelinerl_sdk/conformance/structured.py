@@ -1,10 +1,14 @@
 """Checks that structured output constrains the sampled text, not only the schema of the answer
-(capability ``structured_outputs``; they bias with ``logit_bias``, so they need it too).
+(capability ``structured_outputs``).
 
 A small random model inside a JSON grammar spends its budget on optional whitespace; the checks
-ban the tokens that are only whitespace (``logit_bias`` -100: after the grammar's mask, as vLLM
-applies it, so the grammar still decides what may come) and ask for texts whose every valid
-completion is short. Each is exact: one choice that breaks its constraint fails the check.
+keep it out and ask for texts whose every valid completion is short. With capability
+``logit_bias`` they ban the tokens that are only whitespace (``logit_bias`` -100: after the
+grammar's mask, as vLLM applies it, so the grammar still decides what may come); without it the
+JSON requests carry ``structured_outputs.disable_any_whitespace`` (JSON without optional
+whitespace; it holds for a forced tool call's JSON too), so a backend without ``logit_bias``
+must serve that flag. ``choice`` and ``regex`` need neither: every text they allow is short.
+Each is exact: one choice that breaks its constraint fails the check.
 
 - ``response_format`` ``json_schema`` (an object of a boolean and a two-value enum, no other
   key): every one of 6 sampled choices ends ``stop`` with JSON that matches the schema;
@@ -114,6 +118,15 @@ def whitespace_ban(model_dir: Any) -> dict[str, float]:
     return {str(i): -100.0 for i, t in enumerate(texts) if t and not t.strip()}
 
 
+def no_whitespace(server_under_test: ServerUnderTest) -> dict[str, Any]:
+    """What keeps a JSON request's optional whitespace out on ``server_under_test``: a
+    ``logit_bias`` ban of the whitespace-only tokens where it has ``logit_bias``, else
+    ``structured_outputs.disable_any_whitespace`` (module docstring)."""
+    if server_under_test.capabilities.logit_bias:
+        return {"logit_bias": whitespace_ban(server_under_test.model_dir)}
+    return {"structured_outputs": {"disable_any_whitespace": True}}
+
+
 def _report(choices: list[ChatChoice], ok: list[bool]) -> str:
     return "; ".join(
         f"{c.index}: {c.finish_reason} {c.message.content[:80]!r} calls {c.message.tool_calls}"
@@ -125,11 +138,11 @@ def _report(choices: list[ChatChoice], ok: list[bool]) -> str:
 class StructuredOutputChecks:
     """Mixed into :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests`."""
 
-    @pytest.mark.requires("structured_outputs", "logit_bias")
+    @pytest.mark.requires("structured_outputs")
     def test_structured_output_follows_its_constraint(self, server_under_test: ServerUnderTest) -> None:
         """Every sampled choice of a ``json_schema``, ``json_object``, ``choice`` and ``regex``
         request follows its constraint (module docstring). Exact."""
-        ban = whitespace_ban(server_under_test.model_dir)
+        ban = no_whitespace(server_under_test)
         base = {"messages": PROMPT, "max_tokens": 48, "temperature": 1.0, "n": N}
 
         async def body() -> None:
@@ -137,11 +150,11 @@ class StructuredOutputChecks:
                 schema = await client.chat(
                     {
                         **base,
-                        "logit_bias": ban,
+                        **ban,
                         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
                     }
                 )
-                obj = await client.chat({**base, "logit_bias": ban, "response_format": {"type": "json_object"}})
+                obj = await client.chat({**base, **ban, "response_format": {"type": "json_object"}})
                 choice = await client.chat({**base, "structured_outputs": {"choice": CHOICES}})
                 regex = await client.chat({**base, "structured_outputs": {"regex": REGEX}})
             rules: list[tuple[str, ChatCompletionResponse, Callable[[ChatChoice], bool]]] = [
@@ -159,13 +172,13 @@ class StructuredOutputChecks:
 
         arun(body)
 
-    @pytest.mark.requires("structured_outputs", "logit_bias")
+    @pytest.mark.requires("structured_outputs")
     def test_forced_tool_choice_gives_tool_calls(self, server_under_test: ServerUnderTest) -> None:
         """``tool_choice`` ``required`` (one call): every choice is one call of a given tool with
         valid arguments, finish reason ``tool_calls``; a named function: one call of it, with
         valid arguments, ``stop``. Exact."""
-        ban = whitespace_ban(server_under_test.model_dir)
-        base = {"messages": PROMPT, "max_tokens": 96, "temperature": 1.0, "n": N, "tools": TOOLS, "logit_bias": ban}
+        ban = no_whitespace(server_under_test)
+        base = {"messages": PROMPT, "max_tokens": 96, "temperature": 1.0, "n": N, "tools": TOOLS, **ban}
 
         async def body() -> None:
             async with server_under_test.client() as client:

@@ -27,20 +27,28 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
+
+import httpx
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
+    ChatPlan,
+    FinishReason,
     assemble_choice,
     assemble_response,
     plan_chat,
     prompt_entries,
+    version_label,
     versions_from_spans,
 )
+from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
+from pipelinerl_sdk.kit.inference.stream import TokenStep
+from pipelinerl_sdk.kit.inference.structured import StructuredOutput, choice_grammar
 from pipelinerl_sdk.weights.auth import store_name
 from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
@@ -85,6 +93,8 @@ class SGLangInferenceBackend(KitBackend):
         #: The group's name inside SGLang and the store (``weights.auth.store_name``).
         self._engine_group = ""
         self._decisions: Any = None  # weights.group.DecisionBoard
+        #: Aborts of streams closed early, still being sent to SGLang.
+        self._aborts: set[asyncio.Future[None]] = set()
 
     @property
     def max_model_len(self) -> int | None:
@@ -312,87 +322,281 @@ class SGLangInferenceBackend(KitBackend):
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = await plan_chat(self.tokenizer, req, self._context, unsupported=UNSUPPORTED)
+    def _refuse(self, req: wire.SamplingRequest) -> None:
+        """What SGLang cannot do, refused before anything is sent (400 naming the field): a
+        logit bias, prompt logprob alternatives (SGLang's one ``top_logprobs_num`` is shared by
+        the prompt and the completion)."""
+        defaults = type(req).model_fields
+        for name, why in UNSUPPORTED.items():
+            if name in req.model_fields_set and getattr(req, name) != defaults[name].default:
+                raise InvalidRequest(f"{name}: {why}", field=name)
         if req.prompt_top:
             raise InvalidRequest(
                 "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
                 field="prompt_logprobs",
             )
 
-        async def one(i: int) -> dict[str, Any]:
-            sampling: dict[str, Any] = {
-                "max_new_tokens": plan.max_tokens,
-                "temperature": plan.temperature,
-                "top_p": plan.top_p,
-                "top_k": req.top_k or -1,
-                "min_p": req.min_p,
-                "presence_penalty": req.presence_penalty,
-                "frequency_penalty": req.frequency_penalty,
-                "repetition_penalty": req.repetition_penalty,
-                "ignore_eos": req.ignore_eos,
-                "skip_special_tokens": req.skip_special_tokens,
-                "no_stop_trim": req.include_stop_str_in_output,
-            }
-            if plan.stop:
-                sampling["stop"] = list(plan.stop)
-            if plan.stop_token_ids:
-                sampling["stop_token_ids"] = list(plan.stop_token_ids)
-            if req.seed is not None:
-                sampling["sampling_seed"] = req.seed + i
-            prompt_lps = req.prompt_top is not None and i == 0
-            body: dict[str, Any] = {
-                "input_ids": plan.prompt_ids,
-                "sampling_params": sampling,
-                "return_logprob": bool(req.logprobs or prompt_lps),
-                "logprob_start_len": 0 if prompt_lps else -1,
-                "top_logprobs_num": plan.top,
-                "rid": f"chatcmpl-{uuid.uuid4().hex}",
-            }
-            return await self.sglang.generate(body)
+    def _body(self, plan: ChatPlan, req: wire.SamplingRequest, i: int, *, stream: bool = False) -> dict[str, Any]:
+        """SGLang's ``/generate`` body for sample ``i`` of ``req`` on ``plan``'s prompt (prompt
+        logprobs on the first sample if asked; ``stream``: SGLang's streamed events). The
+        constraint is compiled here first: a spec that does not compile is a 400 naming its
+        field before SGLang sees it."""
+        sampling: dict[str, Any] = {
+            "max_new_tokens": plan.max_tokens,
+            "temperature": plan.temperature,
+            "top_p": plan.top_p,
+            "top_k": req.top_k or -1,
+            "min_p": req.min_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "ignore_eos": req.ignore_eos,
+            "skip_special_tokens": req.skip_special_tokens,
+            "no_stop_trim": req.include_stop_str_in_output,
+        }
+        if plan.stop:
+            sampling["stop"] = list(plan.stop)
+        if plan.stop_token_ids:
+            sampling["stop_token_ids"] = list(plan.stop_token_ids)
+        if req.seed is not None:
+            sampling["sampling_seed"] = req.seed + i
+        if plan.structured is not None:
+            sampling.update(sglang_constraint(plan.structured))
+        prompt_lps = req.prompt_top is not None and i == 0 and not stream
+        body: dict[str, Any] = {
+            "input_ids": plan.prompt_ids,
+            "sampling_params": sampling,
+            "return_logprob": _wants_logprobs(req) or prompt_lps,
+            "logprob_start_len": 0 if prompt_lps else -1,
+            "top_logprobs_num": plan.top,
+            "rid": f"cmpl-{uuid.uuid4().hex}",
+        }
+        if stream:
+            body["stream"] = True
+        return body
 
-        outs = await asyncio.gather(*(one(i) for i in range(req.n)))
-        prompt_lps: list[dict[int, wire.PromptLogprob] | None] | None = None
-        if req.prompt_top is not None:
-            raw = outs[0]["meta_info"].get("input_token_logprobs") or []
-            if len(raw) != len(plan.prompt_ids):
-                raise RuntimeError(
-                    f"SGLang returned {len(raw)} prompt logprobs for {len(plan.prompt_ids)} prompt tokens"
-                )
-            prompt_lps = prompt_entries(
-                self.tokenizer, plan.prompt_ids, [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
-            )
+    def _prompt_entries(self, out: dict[str, Any], plan: ChatPlan) -> list[dict[int, wire.PromptLogprob] | None]:
+        """SGLang's prompt logprobs of ``out`` (its first sample) in the protocol's shape."""
+        raw = out["meta_info"].get("input_token_logprobs") or []
+        if len(raw) != len(plan.prompt_ids):
+            raise RuntimeError(f"SGLang returned {len(raw)} prompt logprobs for {len(plan.prompt_ids)} prompt tokens")
+        return prompt_entries(
+            self.tokenizer, plan.prompt_ids, [None, *(None if e[0] is None else float(e[0]) for e in raw[1:])]
+        )
+
+    async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
+        self._refuse(req)
+        plan = await plan_chat(self.tokenizer, req, self._context, unsupported=UNSUPPORTED, structured=True)
+        outs = await asyncio.gather(*(self.sglang.generate(self._body(plan, req, i)) for i in range(req.n)))
         return assemble_response(
             self.model_name,
             req,
             plan,
-            [self._choice(i, o, req, plan.top) for i, o in enumerate(outs)],
+            [
+                assemble_choice(self.tokenizer, i, req, **self._outcome(o, req, plan), tool_parser=self.tool_parser)
+                for i, o in enumerate(outs)
+            ],
             completion_tokens=sum(len(o["output_ids"]) for o in outs),
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=self._prompt_entries(outs[0], plan) if req.prompt_top is not None else None,
         )
 
-    def _choice(self, index: int, out: dict[str, Any], req: wire.ChatCompletionRequest, top: int) -> wire.ChatChoice:
+    async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
+        """``/v1/completions``: every prompt's ``n`` samples on SGLang at once, prompt logprobs
+        from each prompt's first sample."""
+        self._refuse(req)
+        plans = await plan_completion(self.tokenizer, req, self._context)
+        n = req.n
+        outs = await asyncio.gather(
+            *(self.sglang.generate(self._body(plan, req, i)) for plan in plans for i in range(n))
+        )
+        choices = [
+            completion_choice(
+                self.tokenizer,
+                k,
+                req,
+                plans[k // n],
+                prompt_logprobs=self._prompt_entries(outs[k - k % n], plans[k // n])
+                if req.prompt_top is not None
+                else None,
+                **self._outcome(o, req, plans[k // n]),
+            )
+            for k, o in enumerate(outs)
+        ]
+        return assemble_completion(
+            self.model_name, plans, choices, completion_tokens=sum(len(o["output_ids"]) for o in outs)
+        )
+
+    def _outcome(self, out: dict[str, Any], req: wire.SamplingRequest, plan: ChatPlan) -> dict[str, Any]:
+        """One finished SGLang output as the assembly's keywords: SGLang's text (its stop rule),
+        tokens, per-token versions (SGLang's spans), raw logprobs, finish and stop reason."""
         meta = out["meta_info"]
         token_ids = [int(t) for t in out["output_ids"]]
-        entries = (meta.get("output_token_logprobs") or []) if req.logprobs else []
-        if req.logprobs and len(entries) != len(token_ids):
-            raise RuntimeError(f"SGLang returned {len(entries)} logprobs for {len(token_ids)} tokens")
-        tops = meta.get("output_top_logprobs") or [[] for _ in token_ids]
-        reason = (meta.get("finish_reason") or {}).get("type", "stop")
-        if reason == "abort":
-            raise RuntimeError(f"SGLang aborted the request: {meta.get('finish_reason')}")
-        return assemble_choice(
-            self.tokenizer,
-            index,
-            req,
-            text=str(out.get("text", "")),
-            token_ids=token_ids,
-            versions=_spans_to_versions(meta, len(token_ids)),
-            finish_reason="length" if reason == "length" else "stop",
-            logprobs=[lp for lp, _tid, _ in entries],
-            top_logprobs=[[(int(a[1]), float(a[0])) for a in (alts or [])[:top]] for alts in tops],
-            tool_parser=self.tool_parser,
-        )
+        finish, stop_reason = _finish(meta, req, plan)
+        if finish is None:
+            raise RuntimeError(f"SGLang's output of {meta.get('id')} carries no finish reason")
+        logprobs, tops = _token_logprobs(meta, req, plan.top, 0, len(token_ids))
+        return {
+            "text": str(out.get("text", "")),
+            "token_ids": token_ids,
+            "versions": _spans_to_versions(meta, len(token_ids)),
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            "logprobs": logprobs,
+            "top_logprobs": tops,
+        }
+
+    def sample_steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
+        # refusals and the constraint's compile here, before the stream starts: still a 400
+        self._refuse(req)
+        return self._steps(plan, req, self._body(plan, req, i, stream=True))
+
+    async def _steps(self, plan: ChatPlan, req: wire.SamplingRequest, body: dict[str, Any]) -> AsyncIterator[TokenStep]:
+        """SGLang's streamed events of one sample as the kit's steps (SGLang 0.5.23 sends each
+        event's ids and logprobs cumulatively by default, as deltas with
+        ``--incremental-streaming-output``: both are read). A step's versions are the
+        ``weight_version`` SGLang's tokenizer manager stamps on the event it forwards: the
+        adapter changes versions only inside ``pause_generation`` .. ``continue_generation``,
+        so a token computed after an update is stamped with its version. The last event's
+        ``weight_versions`` spans (SGLang's exact per-token record) are checked against every
+        version streamed: RuntimeError (the stream's error event) where they disagree, never a
+        silently wrong tag. Closing the iterator early aborts the request in SGLang."""
+        rid = str(body["rid"])
+        done = 0  # tokens already stepped
+        sent: list[int] = []  # their versions
+        finished = False
+        events = self.sglang.generate_stream(body)
+        try:
+            async with aclosing(events):  # type: ignore[type-var]
+                async for out in events:
+                    meta = out["meta_info"]
+                    ids = [int(t) for t in out["output_ids"]]
+                    total = int(meta.get("completion_tokens", len(ids)))
+                    if len(ids) == total:  # cumulative
+                        ids = ids[done:]
+                    elif done + len(ids) != total:
+                        raise RuntimeError(f"SGLang streamed {len(ids)} ids for a request at {done} of {total} tokens")
+                    finish, _ = _finish(meta, req, plan)
+                    logprobs, tops = _token_logprobs(meta, req, plan.top, done, total)
+                    if finish is not None:
+                        finished = True
+                        exact = _spans_to_versions(meta, total)
+                        if exact[:done] != sent:
+                            raise RuntimeError(
+                                f"SGLang's final weight-version spans {meta.get('weight_versions')} disagree with "
+                                f"the versions streamed for request {rid}: {sent}"
+                            )
+                        versions = exact[done:]
+                    else:
+                        versions = [version_label(str(meta["weight_version"]))] * len(ids)
+                    sent.extend(versions)
+                    done = total
+                    if not ids and finish is None:
+                        continue
+                    yield TokenStep(ids, logprobs or [0.0] * len(ids), versions, tops or (), finish)
+                    if finish is not None:
+                        return
+        finally:
+            if not finished:  # closed early (the client left) or failed: SGLang stops the sample
+                task = asyncio.ensure_future(self._abort(rid))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
+        if not finished:
+            raise RuntimeError(f"SGLang's stream of request {rid} ended without a finish reason")
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            await self.sglang.abort(rid)
+        except (SGLangError, httpx.HTTPError, PluginError) as e:
+            log.warning("aborting SGLang request %s failed: %s", rid, e)
+
+
+def _wants_logprobs(req: wire.SamplingRequest) -> bool:
+    """Chat asks with ``logprobs: true``, completions with ``logprobs: N`` (0 included)."""
+    asked = getattr(req, "logprobs", None)
+    return asked is not None and asked is not False
+
+
+def _finish(
+    meta: dict[str, Any], req: wire.SamplingRequest, plan: ChatPlan
+) -> tuple[FinishReason | None, str | int | None]:
+    """(finish reason, vLLM's stop reason) of an SGLang output (None while it runs): the stop
+    string or ``stop_token_ids`` id that ended it, None for end-of-sequence. An abort SGLang
+    made itself is an error: InvalidRequest naming the constraint's field where SGLang refused
+    the constraint, RuntimeError otherwise."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    kind = reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
+    if kind == "abort":
+        message = str(reason.get("message", "")) if isinstance(reason, dict) else ""
+        so = plan.structured
+        if so is not None and "grammar" in message.lower():
+            raise InvalidRequest(f"{so.field}: SGLang refused the constraint: {message}", field=so.field)
+        raise RuntimeError(f"SGLang aborted the request: {reason}")
+    if kind == "length":
+        return "length", None
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if isinstance(matched, str):
+        return "stop", matched
+    if isinstance(matched, int) and matched in (req.stop_token_ids or ()):
+        return "stop", matched
+    return "stop", None
+
+
+def _token_logprobs(
+    meta: dict[str, Any], req: wire.SamplingRequest, top: int, done: int, total: int
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """The raw logprobs of output tokens ``done`` to ``total`` and (``top`` > 0) their best
+    ``top`` alternatives from SGLang's ``output_token_logprobs`` / ``output_top_logprobs``
+    (``(logprob, id, text)`` entries; all of the request's or only those tokens'); nothing where
+    the request did not ask. RuntimeError where SGLang's count is neither."""
+    if not _wants_logprobs(req):
+        return [], None
+
+    def part(key: str) -> list[Any]:
+        entries = list(meta.get(key) or [])
+        if len(entries) == total:
+            return entries[done:]
+        if len(entries) == total - done:
+            return entries
+        raise RuntimeError(f"SGLang returned {len(entries)} {key} for tokens {done}..{total}")
+
+    logprobs = [float(e[0]) for e in part("output_token_logprobs")]
+    tops = (
+        [[(int(a[1]), float(a[0])) for a in (alts or [])[:top]] for alts in part("output_top_logprobs")]
+        if top
+        else None
+    )
+    return logprobs, tops
+
+
+def sglang_constraint(so: StructuredOutput) -> dict[str, str]:
+    """SGLang's sampling parameter for ``so`` (compiled by its grammar backend, xgrammar):
+    ``json_schema`` for JSON with any whitespace (``{"type": "object"}`` for ``json_object``),
+    ``regex``, ``ebnf`` for a grammar and for a choice (an alternation of escaped string
+    literals). SGLang reads whitespace only from its server-wide
+    ``--constrained-json-disable-any-whitespace``: JSON without optional whitespace
+    (``disable_any_whitespace``) is sent as the EBNF grammar xgrammar makes of the schema with
+    compact separators. Each spec is compiled here first (xgrammar, the library SGLang
+    compiles with): InvalidRequest naming the field where it does not compile."""
+    import xgrammar as xgr
+
+    try:
+        if so.kind in ("json_object", "json_schema"):
+            schema = '{"type": "object"}' if so.kind == "json_object" else (so.spec or "{}")
+            if so.any_whitespace:
+                xgr.Grammar.from_json_schema(schema)
+                return {"json_schema": schema}
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+            return {"ebnf": str(grammar)}
+        if so.kind == "regex":
+            xgr.Grammar.from_regex(so.spec or "")
+            return {"regex": so.spec or ""}
+        ebnf = (so.spec or "") if so.kind == "grammar" else choice_grammar(so.spec)
+        xgr.Grammar.from_ebnf(ebnf)
+        return {"ebnf": ebnf}
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidRequest(f"{so.field}: does not compile to a grammar: {e}", field=so.field) from e
 
 
 __all__ = ["SGLangInferenceBackend"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import secrets
 import signal
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,28 @@ class SGLangClient:
             raise SGLangError(f"SGLang /generate answered {r.status_code}: {r.text[:500]}")
         out: dict[str, Any] = r.json()
         return out
+
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """SGLang's streamed ``/generate`` (``body`` with ``stream: true``): each ``data:`` event
+        until ``[DONE]``; SGLangError for an HTTP error or an ``error`` event. Closing the
+        iterator closes the connection (the caller aborts the request: :meth:`abort`)."""
+        async with self.http.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                raise SGLangError(f"SGLang /generate answered {r.status_code}: {(await r.aread())[:500]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                event: dict[str, Any] = json.loads(data)
+                if "error" in event:
+                    raise SGLangError(f"SGLang /generate stream error: {event['error']}")
+                yield event
+
+    async def abort(self, rid: str) -> None:
+        """SGLang's ``/abort_request`` for request ``rid`` (nothing if it already ended)."""
+        await self.control("/abort_request", {"rid": rid})
 
     async def control(self, route: str, body: dict[str, Any] | None = None) -> str:
         """POST ``route``; returns SGLang's message."""

@@ -17,8 +17,14 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #:   receive while SGLang keeps generating;
 #: - gloo (CPU) and NCCL (GPU) groups, formed by SGLang's own ``init_weights_update_group``;
 #: - per-token versions are SGLang's own ``weight_versions`` spans;
-#: - prompt and top logprobs come from SGLang (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: raw logprobs).
-CAPABILITIES = replace(full_capabilities("direct"), logit_bias=False)  # no logit bias in its sampling
+#: - prompt and top logprobs come from SGLang (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: raw logprobs);
+#: - streaming (chat and completions) over SGLang's streamed ``/generate``, ``/v1/completions``,
+#:   and structured output through SGLang's grammar backend (xgrammar: ``json_schema``, ``regex``,
+#:   ``ebnf``);
+#: - no ``logit_bias``: SGLang's native sampling parameters have none (a 400 naming it).
+CAPABILITIES = replace(
+    full_capabilities("direct"), logit_bias=False, streaming=True, completions=True, structured_outputs=True
+)
 
 CARD = EngineCard(
     "sglang",

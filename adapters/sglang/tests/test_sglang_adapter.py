@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -96,6 +98,18 @@ def server_under_test(sglang_server: ServerProcess, tiny_model: Path) -> ServerU
 @requires_sglang
 class TestSGLangInferenceContract(InferenceContractTests):
     """Every standard check of the inference contract, on real SGLang."""
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="the check compares a seeded sampled stream with the same seeded request not streamed; "
+        "SGLang 0.5.23 ignores sampling_seed unless --enable-deterministic-inference, which needs a GPU "
+        "attention backend (fa3, flashinfer, triton...), so on CPU the two samples differ. Greedy streams "
+        "are checked exactly in test_streamed_greedy_chat_equals_the_non_streamed_one",
+    )
+    def test_streamed_deltas_add_up_to_the_non_streamed_text(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        super().test_streamed_deltas_add_up_to_the_non_streamed_text(server_under_test, mirror)
 
 
 @requires_sglang
@@ -373,3 +387,246 @@ def test_probe_broadcast_is_received_by_sglang(sglang_server: ServerProcess) -> 
             await pub.close()
 
     run(body)
+
+
+# --- streaming, /v1/completions and structured output on SGLang -----------------------------------
+
+
+def _sglang_child(gateway_pid: int) -> tuple[str, str]:
+    """(url, api key) of the ``sglang.launch_server`` child of the gateway, read from its command
+    line: the test asks SGLang itself, not the gateway, what it is running."""
+    import psutil
+
+    for p in psutil.Process(gateway_pid).children(recursive=True):
+        cmd = p.cmdline()
+        if "sglang.launch_server" in cmd:
+            port = cmd[cmd.index("--port") + 1]
+            key = next(a.split("=", 1)[1] for a in cmd if a.startswith("--api-key="))
+            return f"http://127.0.0.1:{port}", key
+    raise AssertionError("no sglang.launch_server child of the gateway")
+
+
+async def _running_in_sglang(url: str, key: str) -> int:
+    """Requests SGLang's scheduler holds (running or waiting), from its own ``/v1/loads``."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as h:
+        r = await h.get("/v1/loads")
+        r.raise_for_status()
+        loads = r.json()["loads"]
+    return sum(int(s["num_running_reqs"]) + int(s["num_waiting_reqs"]) for s in loads)
+
+
+@requires_sglang
+def test_streamed_greedy_chat_equals_the_non_streamed_one(sglang_server: ServerProcess) -> None:
+    """A greedy stream (n 2, logprobs, token ids, usage), and one with a stop string, add up per
+    choice to the non-streamed response: text, token ids, raw logprobs, weight versions, finish
+    reason on the last chunk only. Exact. (Sampled streams cannot be compared with a seed here:
+    SGLang 0.5.23 honours ``sampling_seed`` only with ``--enable-deterministic-inference``,
+    which needs a GPU attention backend.)"""
+    from pipelinerl_sdk.conformance.generation import check_stream, stop_string_of
+
+    body = {
+        "messages": PROMPT, "max_tokens": 24, "temperature": 0, "n": 2, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": 2, "return_token_ids": True,
+    }  # fmt: skip
+
+    async def main() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            whole = await client.chat(body)
+            chunks = [c async for c in client.chat_stream({**body, "stream_options": {"include_usage": True}})]
+            check_stream(whole.choices, chunks)
+            assert chunks[-1].usage == whole.usage
+            parts = [p for c in chunks[1:] for p in c.choices if p.index == 0]
+            assert sum(bool(p.token_ids) for p in parts) > 1, "one chunk: not streamed"
+            tops = [len(t.top_logprobs) for p in parts for t in (p.logprobs.content if p.logprobs else [])]
+            assert tops == [2] * 24, tops
+            stop, _ = stop_string_of(whole.choices[0].message.content)
+            one = {**body, "n": 1, "stop": [stop]}
+            cut = await client.chat(one)
+            check_stream(cut.choices, [c async for c in client.chat_stream(one)], f"stop={stop!r}: ")
+            assert cut.choices[0].stop_reason == stop
+
+    run(main)
+
+
+@requires_sglang
+def test_streamed_chunks_carry_the_version_that_computed_them(sglang_server: ServerProcess, tiny_model: Path) -> None:
+    """After an update, every streamed chunk's ``weight_versions`` are the new version, one per
+    token of the chunk; the greedy stream's text is the new weights' non-streamed text."""
+    mirror = Mirror(tiny_model, "float32")
+
+    async def main() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20)
+            await pub.connect()
+            info = await client.info()
+            mirror.perturb(seed=info.version + 300)
+            async with pub.update(info.version + 1, info.params) as sink:
+                await asyncio.to_thread(mirror.send_all, sink, info.params)
+            body = {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            chunks = [c async for c in client.chat_stream(body)]
+            parts = [p for c in chunks[1:] for p in c.choices]
+            assert all(len(p.weight_versions) == len(p.token_ids or []) for p in parts)
+            assert [v for p in parts for v in p.weight_versions] == [info.version + 1] * 8
+            whole = await client.chat(body)
+            assert "".join(p.delta.content or "" for p in parts) == whole.choices[0].message.content
+            await pub.close()
+
+    run(main)
+
+
+@requires_sglang
+def test_a_client_that_leaves_a_stream_aborts_it_in_sglang(sglang_server: ServerProcess) -> None:
+    """A client reads three chunks of a long stream and disconnects: SGLang's own scheduler
+    holds no request within seconds (the sample was aborted there, not run to its 1500 tokens),
+    and the server serves the next request."""
+    import httpx
+
+    url, key = _sglang_child(sglang_server.pid)
+    body = {"messages": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+    async def main() -> None:
+        headers = {"Authorization": f"Bearer {sglang_server.control_token}"}
+        async with (
+            httpx.AsyncClient(base_url=sglang_server.url, headers=headers, timeout=120) as h,
+            h.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            seen, running, t_run = 0, 0, time.monotonic()
+            async for line in r.aiter_lines():  # SGLang's load gauge is refreshed every few steps
+                seen += line.startswith("data:")
+                if seen >= 4 and seen % 4 == 0:
+                    running = await _running_in_sglang(url, key)
+                    if running or time.monotonic() - t_run > 30:
+                        break
+            assert running == 1, f"the stream is not running in SGLang ({running} after {seen} events)"
+        t0 = time.monotonic()
+        while await _running_in_sglang(url, key) and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.2)
+        left = await _running_in_sglang(url, key)
+        assert left == 0, f"SGLang still runs {left} request(s) 30 s after the client left"
+        print(f"\nSGLang idle {time.monotonic() - t0:.2f}s after the disconnect")
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
+            assert resp.choices[0].finish_reason in ("length", "stop")
+
+    run(main)
+
+
+@requires_sglang
+def test_completions_text_token_ids_and_batches(sglang_server: ServerProcess, tiny_model: Path) -> None:
+    """``/v1/completions`` on SGLang: a text prompt (tokenized with the special tokens) and the
+    same prompt as token ids give the same greedy completion; a batch of two prompts with n 2
+    gives choice ``p * n + i``; logprobs (with alternatives), prompt logprobs, token ids and
+    one weight version per token; a stream adds up to the non-streamed choice."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    async def main() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 2}
+            text = await client.completion({**common, "prompt": "12+7=", "prompt_logprobs": True})
+            ids = tok("12+7=")["input_ids"]
+            by_ids = await client.completion({**common, "prompt": ids})
+            a, b = text.choices[0], by_ids.choices[0]
+            assert a.prompt_token_ids == ids and b.prompt_token_ids == ids
+            assert a.token_ids == b.token_ids and a.text == b.text and len(a.token_ids or []) == 6
+            assert a.logprobs is not None and len(a.logprobs.token_logprobs) == 6
+            assert all(len(t) == 2 or len(t) == 3 for t in a.logprobs.top_logprobs or [])
+            assert a.weight_versions == [a.weight_versions[0]] * 6
+            assert a.prompt_logprobs is not None and a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(ids)
+            batch = await client.completion({**common, "prompt": [ids, ids[:3]], "n": 2})
+            assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+            assert batch.choices[0].token_ids == batch.choices[1].token_ids == a.token_ids
+            assert batch.choices[2].prompt_token_ids == ids[:3]
+            assert batch.usage.prompt_tokens == len(ids) + 3 and batch.usage.completion_tokens == 24
+        headers = {"Authorization": f"Bearer {sglang_server.control_token}"}
+        import httpx
+
+        async with httpx.AsyncClient(base_url=sglang_server.url, headers=headers, timeout=120) as h:
+            r = await h.post("/v1/completions", json={**common, "prompt": ids, "stream": True})
+            assert r.status_code == 200, r.text
+            events = [json.loads(x[5:]) for x in r.text.splitlines() if x.startswith("data:") and "[DONE]" not in x]
+            parts = [c for e in events for c in e["choices"]]
+            assert "".join(c["text"] for c in parts) == a.text
+            assert [t for c in parts for t in c.get("token_ids") or []] == a.token_ids
+            assert [v for c in parts for v in c["weight_versions"]] == a.weight_versions
+            # the same request not streamed, to 2e-5: SGLang's CPU kernels reduce in an order
+            # that depends on the batch a token is decoded in (6e-7 seen; main's engine tests
+            # allow 2e-5 for the same reason); ids, text and versions above are exact
+            assert b.logprobs is not None
+            streamed = [x for c in parts for x in c["logprobs"]["token_logprobs"]]
+            assert len(streamed) == len(b.logprobs.token_logprobs)
+            assert max(abs(x - y) for x, y in zip(streamed, b.logprobs.token_logprobs, strict=True)) < 2e-5
+            assert [c["finish_reason"] for c in parts][-1] == "length"
+            for bad, field in (
+                ({"logit_bias": {"5": 1}}, "logit_bias"),
+                ({"prompt_logprobs": 2}, "prompt_logprobs"),
+                ({"echo": True}, "echo"),
+            ):
+                r = await h.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, **bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+    run(main)
+
+
+@requires_sglang
+def test_structured_output_on_sglang(sglang_server: ServerProcess) -> None:
+    """SGLang's grammar backend constrains every sampled choice (n 4, temperature 1): a choice
+    whose options need escaping, a regex, a grammar, a JSON schema without optional whitespace,
+    a named tool; streamed too; a spec that does not compile is a 400 naming its field."""
+    import httpx
+
+    choices = ['say "hi"', "back\\slash", "yes"]
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    base = {"messages": PROMPT, "max_tokens": 40, "temperature": 1.0, "n": 4}
+
+    async def main() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            r = await client.chat({**base, "structured_outputs": {"choice": choices}})
+            assert all(c.message.content in choices and c.finish_reason == "stop" for c in r.choices), r.choices
+            r = await client.chat({**base, "structured_outputs": {"regex": "[0-9]{2}-[xy]"}})
+            assert all(re.fullmatch("[0-9]{2}-[xy]", c.message.content) for c in r.choices), r.choices
+            r = await client.chat({**base, "structured_outputs": {"grammar": 'root ::= "a" ("b" | "c") "!"'}})
+            assert all(c.message.content in ("ab!", "ac!") for c in r.choices), r.choices
+            r = await client.chat({**base, "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+            assert all(c.message.content in ('{"ok":true}', '{"ok":false}') for c in r.choices), r.choices
+            r = await client.chat(
+                {
+                    **base, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}},
+                    "structured_outputs": {"disable_any_whitespace": True},
+                }
+            )  # fmt: skip
+            for c in r.choices:
+                assert [t["function"]["name"] for t in c.message.tool_calls] == ["f"], c
+                assert json.loads(c.message.tool_calls[0]["function"]["arguments"]) in ({"ok": True}, {"ok": False})
+            chunks = [
+                ch
+                async for ch in client.chat_stream({**base, "n": 2, "structured_outputs": {"regex": "[0-9]{2}-[xy]"}})
+            ]
+            for i in (0, 1):
+                text = "".join(p.delta.content or "" for ch in chunks[1:] for p in ch.choices if p.index == i)
+                assert re.fullmatch("[0-9]{2}-[xy]", text), text
+        headers = {"Authorization": f"Bearer {sglang_server.control_token}"}
+        async with httpx.AsyncClient(base_url=sglang_server.url, headers=headers, timeout=120) as h:
+            for bad, field in (
+                ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+                ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+                (
+                    {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+                    "response_format",
+                ),
+            ):
+                for stream in (False, True):
+                    r = await h.post("/v1/chat/completions", json={**base, **bad, "stream": stream})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == field, (bad, stream, r.text)
+
+    run(main)

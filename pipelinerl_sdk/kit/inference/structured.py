@@ -9,7 +9,8 @@ What constrains the text (:func:`structured_output`):
   (EBNF), ``choice``, and ``disable_any_whitespace``;
 - ``tool_choice`` ``"required"``: a JSON array of at least one ``{"name", "parameters"}`` object,
   one of the ``tools`` with its parameters' schema (vLLM's schema); a named function: that
-  function's parameters (an object). The text becomes ``tool_calls``
+  function's parameters (an object), without optional whitespace if the extension's
+  ``disable_any_whitespace`` says so. The text becomes ``tool_calls``
   (:func:`pipelinerl_sdk.kit.inference.tools.choice_tool_calls`).
 
 An engine with its own structured outputs maps :class:`StructuredOutput` onto them (vLLM's
@@ -30,7 +31,7 @@ from typing import Any, Literal
 from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.protocol import ChatCompletionRequest
 
-__all__ = ["GrammarConstraint", "Grammars", "StructuredOutput", "forced_tool", "structured_output"]
+__all__ = ["GrammarConstraint", "Grammars", "StructuredOutput", "choice_grammar", "forced_tool", "structured_output"]
 
 #: What to install for :class:`Grammars`.
 XGRAMMAR_HINT = "pip install 'pipelinerl-sdk[structured]' (xgrammar)"
@@ -156,12 +157,15 @@ def structured_output(req: ChatCompletionRequest) -> StructuredOutput | None:
     if not req.tools:
         raise InvalidRequest(f"tool_choice: {req.tool_choice!r} needs tools", field="tool_choice")
     tools = _function_tools(req)
+    # the extension's disable_any_whitespace holds for the call's JSON too (vLLM 0.32 takes the
+    # request's flag nowhere: its adapter refuses it, so no vLLM answer differs)
+    any_ws = not (req.structured_outputs is not None and req.structured_outputs.disable_any_whitespace)
     if tool == "required":
         schema = _required_schema(tools, req.parallel_tool_calls)
-        return StructuredOutput("json_schema", json.dumps(schema), "tool_choice", tool)
+        return StructuredOutput("json_schema", json.dumps(schema), "tool_choice", tool, any_ws)
     if tool not in tools:
         raise InvalidRequest(f"tool_choice: tool {tool!r} is not among the request's tools", field="tool_choice")
-    return StructuredOutput("json_schema", json.dumps(tools[tool]), "tool_choice", tool)
+    return StructuredOutput("json_schema", json.dumps(tools[tool]), "tool_choice", tool, any_ws)
 
 
 def _ebnf_literal(text: str) -> str:
@@ -181,6 +185,13 @@ def _ebnf_literal(text: str) -> str:
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
+
+
+def choice_grammar(spec: str | None) -> str:
+    """The EBNF grammar (xgrammar's dialect) of a ``choice`` constraint: exactly one of the
+    strings of ``spec`` (a JSON list), each an escaped string literal."""
+    choices = json.loads(spec or "[]")
+    return "root ::= " + " | ".join(_ebnf_literal(str(c)) for c in choices)
 
 
 class GrammarConstraint:
@@ -250,8 +261,7 @@ class Grammars:
                 return compiler.compile_regex(so.spec or "")
             if so.kind == "grammar":
                 return compiler.compile_grammar(so.spec or "")
-            choices = json.loads(so.spec or "[]")
-            return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(str(c)) for c in choices))
+            return compiler.compile_grammar(choice_grammar(so.spec))
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequest(f"{so.field}: does not compile to a grammar: {e}", field=so.field) from e
 
