@@ -281,6 +281,10 @@ def test_a_long_prompt_is_counted_in_pieces_within_the_slack(tiny_tokenizer: Any
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert render_prompt(tiny_tokenizer, req, len(expected) + 1) == list(expected)
+    # with a bound, counting stops at the first piece whose sum reaches it
+    few, one_cut = count_in_pieces(backend, text, enough=4096)
+    assert one_cut == 1 and 4096 + CUT_SLACK_TOKENS <= few < counted, (few, one_cut, counted)
+    assert count_in_pieces(backend, text, enough=10**9) == (counted, cuts)
 
 
 def test_trim_heap_returns_freed_memory_to_the_system() -> None:

@@ -165,15 +165,16 @@ def encode_prompt(tokenizer: Any, text: str, max_model_len: int | None = None) -
     tokenises (the event loop keeps serving), and a prompt that leaves no room in
     ``max_model_len`` (:func:`check_prompt_length`) is refused by its length before its ids
     become Python objects. A prompt of many pieces (:data:`COUNT_CHUNK_CHARS`) is first counted
-    piece by piece (:func:`count_in_pieces`): one far past the context is refused without ever
-    holding all its tokens, whose freeing alone holds the GIL for hundreds of milliseconds."""
+    piece by piece (:func:`count_in_pieces`): one far past the context is refused as soon as
+    its first pieces hold more tokens than the context, without ever holding all its tokens,
+    whose freeing alone holds the GIL for hundreds of milliseconds."""
     backend = rust_tokenizer(tokenizer)
     if backend is None:
         ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
         check_prompt_length(len(ids), max_model_len)
         return ids
     if max_model_len is not None and len(text) > COUNT_CHUNK_CHARS:
-        counted, cuts = count_in_pieces(backend, text)
+        counted, cuts = count_in_pieces(backend, text, enough=max_model_len)
         if counted - cuts * CUT_SLACK_TOKENS >= max_model_len:
             check_prompt_length(counted - cuts * CUT_SLACK_TOKENS, max_model_len, at_least=True)
     (encoding,) = backend.encode_batch([text], add_special_tokens=False)
@@ -184,12 +185,14 @@ def encode_prompt(tokenizer: Any, text: str, max_model_len: int | None = None) -
     return list(encoding.ids)
 
 
-def count_in_pieces(backend: Any, text: str) -> tuple[int, int]:
+def count_in_pieces(backend: Any, text: str, enough: int | None = None) -> tuple[int, int]:
     """(tokens, cuts): the sum of the token counts of ``text``'s pieces of about
     :data:`COUNT_CHUNK_CHARS` characters, each cut at a space before a word where there is one,
-    tokenised one at a time (the GIL released while each is), and the number of cuts."""
+    tokenised one at a time (the GIL released while each is), and the number of cuts; with
+    ``enough``, the pieces up to the first whose sum, less :data:`CUT_SLACK_TOKENS` per cut,
+    reaches it (the whole text has at least as many tokens)."""
     counted = cuts = start = 0
-    while start < len(text):
+    while start < len(text) and (enough is None or counted - cuts * CUT_SLACK_TOKENS < enough):
         end = min(start + COUNT_CHUNK_CHARS, len(text))
         if end < len(text):
             space = text.rfind(" ", start + COUNT_CHUNK_CHARS // 2, end)
