@@ -40,6 +40,7 @@ __all__ = [
     "BenchAnchor",
     "FlowSettings",
     "FlowTarget",
+    "NativeGeneration",
     "NativeUpdate",
     "NativeUpdateFlow",
     "StandaloneAnchor",
@@ -122,17 +123,30 @@ class NativeUpdateFlow(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class NativeGeneration:
+    """Where a server of the backend, started with ``options``, also serves the engine's own
+    generation routes (its own handlers on the same engine, beside the SDK's): the anchor of
+    ``pipelinerl bench generate``. ``chat`` and ``completions`` are their paths."""
+
+    options: Mapping[str, str]
+    chat: str
+    completions: str
+
+
 @dataclass(frozen=True)
 class FlowSettings:
     """What a :class:`NativeUpdateFlow` dataclass keeps besides its ``update``: its
     ``description`` and ``server_env`` (override the defaults), the seconds each of its HTTP
-    calls may take, and the sender's bucket buffers, reused across updates as the SDK's publisher
-    reuses its own (pass them to :meth:`FlowTarget.broadcast`)."""
+    calls may take, the sender's bucket buffers, reused across updates as the SDK's publisher
+    reuses its own (pass them to :meth:`FlowTarget.broadcast`), and where the engine's own
+    generation routes can be served (:class:`NativeGeneration`, or None)."""
 
     description: str = ""
     server_env: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float = 120.0
     buffers: dict[int, list[Any]] = field(default_factory=dict)
+    generation: NativeGeneration | None = None
 
     async def keep_pause_flow(
         self,

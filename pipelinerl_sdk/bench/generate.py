@@ -1,28 +1,41 @@
 """``pipelinerl bench generate``: what streaming and ``/v1/completions`` cost against plain chat,
-on one server, under the same load, in one run.
+on one server, under the same load, in one run; and, where the backend's engine can serve its
+own generation routes beside the SDK's (its bench anchor's
+:class:`~pipelinerl_sdk.bench.anchor.NativeGeneration`: vLLM's), what the SDK's routes cost
+against the engine's own on the same engine.
 
-Three modes serve the same work: ``concurrency`` workers, each sending one request at a time
-of the same prompt tokens (worker ``i``'s chat prompt; completions get its token ids, so nothing
+Modes serve the same work: ``concurrency`` workers, each sending one request at a time of the
+same prompt tokens (worker ``i``'s chat prompt; completions get its token ids, so nothing
 differs but the route) for exactly ``max_tokens`` tokens (``ignore_eos``):
 
 - ``chat``: non-streamed ``/v1/chat/completions``;
-- ``stream``: the same, ``stream=true``, every chunk read and parsed;
-- ``completions``: ``/v1/completions`` with the prompt's token ids.
+- ``stream``: the same, ``stream=true`` (``stream_options.include_usage``), every event read
+  and parsed;
+- ``completions``: ``/v1/completions`` with the prompt's token ids;
+- with the engine's own routes, ``native-chat``, ``native-stream``, ``native-completions``: the
+  same requests to them.
 
-Modes alternate in rounds of ``seconds`` each (A B C, then C B A, ...) so a drift of the machine
-(another process, thermal) weighs on all three alike; a mode's tokens/s is its tokens over its
-time summed over its rounds. Reported: each mode's tokens/s and the ratios ``stream / chat`` and
-``completions / chat`` (the targets: at least 0.95).
+Every mode's client does the same work (one HTTP request, every body or event parsed as JSON,
+tokens counted from ``usage``), so the ratios compare the servers' routes, not client code.
+Modes alternate in rounds of ``seconds`` each (A B C ..., then ... C B A) so a drift of the
+machine (another process, thermal) weighs on all alike; a mode's tokens/s is its tokens over
+its time summed over its rounds. Reported: each mode's tokens/s, ``stream / chat`` and
+``completions / chat`` (targets: at least 0.95), and with the engine's own routes each of ours
+over the engine's (``chat_over_native``, ...; target: at least 0.95).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
+
+from pipelinerl_sdk.bench.anchor import NativeGeneration, load_anchor
 from pipelinerl_sdk.bench.model import bench_model
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
@@ -31,9 +44,14 @@ MODES = ("chat", "stream", "completions")
 
 Call = Callable[[int], Awaitable[int]]
 
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
-def _calls(client: InferenceClient, prompts: list[list[int]], max_tokens: int) -> dict[str, Call]:
-    """Per mode: send worker ``w``'s request, return its completion tokens."""
+
+def _calls(
+    http: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int, chat_path: str, completions_path: str
+) -> dict[str, Call]:
+    """Per mode (``chat``, ``stream``, ``completions``) on the given routes: send worker
+    ``w``'s request, return its completion tokens (from ``usage``)."""
 
     def chat_body(w: int) -> dict[str, Any]:
         return {
@@ -43,18 +61,34 @@ def _calls(client: InferenceClient, prompts: list[list[int]], max_tokens: int) -
             "ignore_eos": True,
         }
 
+    async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = await http.post(path, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"POST {path}: {r.status_code} {r.text[:300]}")
+        out: dict[str, Any] = json.loads(r.content)
+        return out
+
     async def chat(w: int) -> int:
-        return (await client.chat(chat_body(w))).usage.completion_tokens
+        return int((await post(chat_path, chat_body(w)))["usage"]["completion_tokens"])
 
     async def stream(w: int) -> int:
-        n = 0
-        async for chunk in client.chat_stream(chat_body(w)):
-            n += sum(len(c.weight_versions) for c in chunk.choices)
+        body = {**chat_body(w), "stream": True, "stream_options": {"include_usage": True}}
+        n = -1
+        async with http.stream("POST", chat_path, json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"POST {chat_path} (stream): {r.status_code} {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        n = int(event["usage"]["completion_tokens"])
+        if n < 0:
+            raise RuntimeError(f"POST {chat_path} (stream): no usage event")
         return n
 
     async def completions(w: int) -> int:
         body = {"prompt": prompts[w], "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-        return (await client.completion(body)).usage.completion_tokens
+        return int((await post(completions_path, body))["usage"]["completion_tokens"])
 
     return {"chat": chat, "stream": stream, "completions": completions}
 
@@ -78,7 +112,13 @@ async def _round(call: Call, concurrency: int, seconds: float) -> tuple[int, flo
 
 
 async def _bench(
-    server: ServerProcess, *, seconds: float, rounds: int, concurrency: int, max_tokens: int
+    server: ServerProcess,
+    *,
+    seconds: float,
+    rounds: int,
+    concurrency: int,
+    max_tokens: int,
+    native: NativeGeneration | None = None,
 ) -> dict[str, Any]:
     async with InferenceClient(server.url, control_token=server.control_token, api_key=server.api_key) as client:
         prompts = []
@@ -91,22 +131,34 @@ async def _bench(
             ids = (await client.chat(body)).prompt_token_ids
             assert ids is not None
             prompts.append(ids)
-        calls = _calls(client, prompts, max_tokens)
-        for mode in MODES:  # warm-up: one request each
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=600, limits=limits) as http:
+        calls = _calls(http, prompts, max_tokens, CHAT_PATH, COMPLETIONS_PATH)
+        if native is not None:
+            theirs = _calls(http, prompts, max_tokens, native.chat, native.completions)
+            calls.update({f"native-{m}": c for m, c in theirs.items()})
+        modes = tuple(calls)
+        for mode in modes:  # warm-up: one request each
             await calls[mode](0)
-        totals = {m: [0, 0.0, 0] for m in MODES}
+        totals = {m: [0, 0.0, 0] for m in modes}
         for r in range(rounds):
-            for mode in MODES if r % 2 == 0 else tuple(reversed(MODES)):
+            for mode in modes if r % 2 == 0 else tuple(reversed(modes)):
                 tokens, took, requests = await _round(calls[mode], concurrency, seconds)
                 t = totals[mode]
                 t[0], t[1], t[2] = t[0] + tokens, t[1] + took, t[2] + requests
-    rate = {m: totals[m][0] / totals[m][1] for m in MODES}
-    return {
+    rate = {m: totals[m][0] / totals[m][1] for m in modes}
+    figures: dict[str, Any] = {
         "tokens_per_s": {m: round(v, 2) for m, v in rate.items()},
-        "requests": {m: totals[m][2] for m in MODES},
+        "requests": {m: totals[m][2] for m in modes},
         "stream_over_chat": round(rate["stream"] / rate["chat"], 4),
         "completions_over_chat": round(rate["completions"] / rate["chat"], 4),
     }
+    if native is not None:
+        for m in MODES:
+            figures[f"{m}_over_native"] = round(rate[m] / rate[f"native-{m}"], 4)
+        figures["native_routes"] = {"chat": native.chat, "completions": native.completions}
+    return figures
 
 
 def run_generate_bench(
@@ -127,9 +179,20 @@ def run_generate_bench(
     with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-") as tmp:
         path, label = bench_model(tmp, model)
         options: dict[str, object] = {"threads": server_threads} if backend == "reference" and server_threads else {}
+        anchor = load_anchor(backend)
+        native = getattr(anchor.flow, "generation", None) if anchor is not None else None
+        if isinstance(native, NativeGeneration):
+            options.update(native.options)
         with ServerProcess(backend, path, options=options, api_key="bench-generate-key") as server:
             figures = asyncio.run(
-                _bench(server, seconds=seconds, rounds=rounds, concurrency=concurrency, max_tokens=max_tokens)
+                _bench(
+                    server,
+                    seconds=seconds,
+                    rounds=rounds,
+                    concurrency=concurrency,
+                    max_tokens=max_tokens,
+                    native=native,
+                )
             )
     return {
         "bench": "generate",

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from pipelinerl_sdk.bench.anchor import FlowSettings, FlowTarget, NativeUpdate
+from pipelinerl_sdk.bench.anchor import FlowSettings, FlowTarget, NativeGeneration, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk_vllm.jobs import receive_info
 
@@ -63,4 +63,10 @@ FLOW = VLLMNativeFlow(
         "/finish_weight_update {weight_version}, /resume"
     ),
     server_env={"VLLM_SERVER_DEV_MODE": "1"},
+    # vLLM's own chat and completions handlers, mounted beside the SDK's (server.NATIVE_PREFIX)
+    generation=NativeGeneration(
+        options={"native_generation_routes": "1"},
+        chat="/v1/vllm/chat/completions",
+        completions="/v1/vllm/completions",
+    ),
 )

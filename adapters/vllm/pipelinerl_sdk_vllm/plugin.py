@@ -37,6 +37,9 @@ CARD = EngineCard(
         "enforce_eager": "1 (default) to skip graph capture / compilation",
         "threads": "CPU threads for the engine (VLLM_CPU_OMP_THREADS_BIND=auto otherwise)",
         "vllm_args": "extra vLLM server arguments, space-separated",
+        "native_generation_routes": "1 to serve vLLM's own chat and completions handlers also at "
+        "/v1/vllm/chat/completions and /v1/vllm/completions (no weight versions; the anchor of "
+        "pipelinerl bench generate; default 0)",
         "engine_policy": "'idle' (default on a CPU build) runs vLLM's engine core and workers under SCHED_IDLE, "
         "'normal' (default on GPU) leaves them: on a busy CPU their spin-wait otherwise starves the server and trainer",
     },

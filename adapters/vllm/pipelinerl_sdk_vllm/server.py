@@ -81,6 +81,33 @@ def vllm_cli_args(config: ServeConfig, port: int) -> list[str]:
     return args
 
 
+#: Where ``--option native_generation_routes=1`` serves vLLM's own generation handlers (under
+#: ``/v1``, so vLLM's API-key middleware guards them as it guards the SDK's routes).
+NATIVE_PREFIX = "/v1/vllm"
+
+
+def expose_native_generation(app: FastAPI) -> list[str]:
+    """Serve vLLM's own ``POST /v1/chat/completions`` and ``/v1/completions`` handlers also at
+    :data:`NATIVE_PREFIX` (before the SDK's routes replace them at their own paths): the same
+    engine, vLLM's request handling. Returns the new paths; PluginError if vLLM's app has not
+    both routes."""
+    from fastapi.routing import APIRoute
+
+    added = []
+    for route in list(app.router.routes):
+        if not isinstance(route, APIRoute):
+            continue
+        if route.path in ("/v1/chat/completions", "/v1/completions") and "POST" in (route.methods or set()):
+            path = NATIVE_PREFIX + route.path.removeprefix("/v1")
+            app.add_api_route(
+                path, route.endpoint, methods=["POST"], dependencies=route.dependencies, responses=route.responses
+            )
+            added.append(path)
+    if len(added) != 2:
+        raise PluginError(f"vLLM's app has not both generation routes to expose (found {added})")
+    return added
+
+
 def parse_vllm_args(argv: list[str]) -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -133,6 +160,8 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
         await backend.start()
         supported = await engine.get_supported_tasks()
         app = build_app(args, supported, engine.model_config)
+        if config.options.get("native_generation_routes", "0") == "1":
+            expose_native_generation(app)
         install_contract(app, backend, config)  # rebuilds vLLM's prebuilt middleware stack
         await init_app_state(engine, app.state, args, supported)
         announce = asyncio.create_task(_announce(app, config, port))

@@ -64,7 +64,8 @@ def vllm_server(tiny_model: Path) -> Iterator[ServerProcess]:
         "vllm",
         tiny_model,
         env={**ENV, "VLLM_SERVER_DEV_MODE": "1"},
-        options={"max_model_len": 4096},
+        # native_generation_routes: vLLM's own handlers beside ours, for the generate bench's anchor
+        options={"max_model_len": 4096, "native_generation_routes": 1},
         startup_timeout_s=600,
     )
     t0 = time.monotonic()
@@ -440,6 +441,35 @@ def test_vllm_completions_are_token_in_token_out_with_versions(vllm_server: Serv
                     ids += part.get("token_ids") or []
                     versions += part["weight_versions"]
         assert (text, ids, versions) == (c["text"], c["token_ids"], c["weight_versions"])
+
+
+@requires_vllm
+def test_native_generation_routes_are_vllms_own(vllm_server: ServerProcess) -> None:
+    """The generate bench's anchor (``native_generation_routes=1``): vLLM's own chat and
+    completions handlers answer at the paths the anchor names, on the same engine: the same
+    greedy text as the SDK's routes, in vLLM's shape (no weight versions), and a body vLLM's
+    handler refuses is its own 400."""
+    from pipelinerl_sdk.bench.anchor import load_anchor
+
+    anchor = load_anchor("vllm")
+    native = getattr(anchor.flow if anchor is not None else None, "generation", None)
+    assert native is not None and native.options == {"native_generation_routes": "1"}
+    chat = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8, "temperature": 0}
+    prompt = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
+
+    async def body() -> None:
+        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as http:
+            a = (await http.post("/v1/chat/completions", json=chat)).json()
+            b = (await http.post(native.chat, json=chat)).json()
+            assert b["object"] == "chat.completion" and "weight_versions" not in b["choices"][0], b
+            assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+            c = (await http.post(native.completions, json=prompt)).json()
+            d = (await http.post("/v1/completions", json=prompt)).json()
+            assert c["object"] == "text_completion" and c["choices"][0]["text"] == d["choices"][0]["text"], (c, d)
+            bad = await http.post(native.chat, json={**chat, "max_tokens": -1})
+            assert bad.status_code == 400, bad.text
+
+    run(body)
 
 
 @requires_vllm
