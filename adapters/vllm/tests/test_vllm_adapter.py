@@ -372,6 +372,59 @@ def test_vllm_ignores_forged_decisions_and_refuses_non_finite_weights(
 
 
 @requires_vllm
+def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(
+    vllm_server: ServerProcess, tiny_model: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """The old trainer asked for an update and never decided (its decision is awaited in vLLM's
+    workers): a new trainer's ``/init_process_group`` ends it at once (``cancel_waiting_update``:
+    the workers' decision waits are ended) instead of a 409 for the update's whole timeout (120 s
+    here); the old weights keep serving, and the new trainer's update lands (logprobs equal its
+    weights', fp32: 1e-4)."""
+    from pipelinerl_sdk.testing.security import replace_a_waiting_trainer
+
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+    url, token = vllm_server.url, vllm_server.control_token
+
+    async def body() -> None:
+        async with (
+            InferenceClient(url, control_token=token) as old_client,
+            InferenceClient(url, control_token=token) as new_client,
+        ):
+            info = await old_client.info()
+            t0 = time.monotonic()
+            old, new, error = await replace_a_waiting_trainer(old_client, new_client, bucket_bytes=1 << 20)
+            replaced_s = time.monotonic() - t0
+            record_property("replaced_s", replaced_s)
+            print(f"\nstale update ended, new group joined: {replaced_s:.2f}s after the old trainer's request: {error}")
+            assert "replaced the group" in error and "cancelled while waiting" in error, error
+            after = await new_client.info()
+            assert after.version == info.version and after.group is not None and not after.group.broken
+            assert not after.updating
+            assert set((await _scored(new_client)).choices[0].weight_versions) == {info.version}
+            ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(11)).tolist()
+            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+            trainer.step()
+            async with new.update(info.version + 1, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            resp = await _scored(new_client)
+            choice = resp.choices[0]
+            assert set(choice.weight_versions) == {info.version + 1}
+            prompt = resp.prompt_token_ids or []
+            seq = prompt + (choice.token_ids or [])
+            lp = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[len(prompt)]))[0]
+            served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
+            assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
+            await old.close()
+            await new.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+@requires_vllm
 def test_vllm_serves_the_generation_api(vllm_server: ServerProcess) -> None:
     """The vLLM-compatible surface on the vllm backend: PipelineRL's actor body (``logprobs: 1``,
     ``include_stop_str_in_output``, ``skip_special_tokens: false``, ``top_k``,
