@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipelinerl_sdk import protocol as wire
@@ -56,6 +57,17 @@ log = logging.getLogger("pipelinerl_sdk_vllm")
 POLL_S = 0.01
 
 
+@dataclass
+class _Deciding:
+    """An update armed and not yet past its trainer's decision: ``cancel`` is why it is to end
+    (set by :meth:`VLLMInferenceBackend.cancel_waiting_update`), ``sent`` once the workers were
+    asked to."""
+
+    key: str
+    cancel: str | None = None
+    sent: bool = False
+
+
 class VLLMInferenceBackend(KitBackend):
     """``pipelinerl serve --backend vllm --model PATH [--dtype float32|bfloat16]``; options
     (``--option k=v``): see the plugin's :data:`~pipelinerl_sdk_vllm.plugin.CARD`."""
@@ -66,6 +78,7 @@ class VLLMInferenceBackend(KitBackend):
         super().__init__(config)
         self._engine: Any = None
         self._cpu = True
+        self._deciding: _Deciding | None = None
         if self.opts.get("engine_policy", "idle") not in ("idle", "normal"):
             raise ValueError(f"option engine_policy: 'idle' or 'normal', not {self.opts['engine_policy']!r}")
 
@@ -129,13 +142,33 @@ class VLLMInferenceBackend(KitBackend):
             raise GroupError(f"vLLM workers could not join {req.group_name!r} at {req.init_method}: {e}") from e
         return self.book.join(req, self.workers)
 
-    async def _wait_jobs(self, key: str, deadline: float, *, received: bool) -> float:
-        """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over this engine's workers."""
+    async def _wait_jobs(
+        self, key: str, deadline: float, *, received: bool, deciding: _Deciding | None = None
+    ) -> float:
+        """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over this engine's workers; with
+        ``deciding``, once it is to be cancelled, the workers' decision waits are ended first
+        (each worker's job then fails, aborted, naming why; one that already had the trainer's
+        ``go`` goes on receiving)."""
 
         async def statuses() -> list[dict[str, Any]]:
+            if deciding is not None and deciding.cancel is not None and not deciding.sent:
+                deciding.sent = True
+                why = deciding.cancel
+                ended = await self._engine.collective_rpc("pipelinerl_cancel_decision", args=(key, why))
+                log.info("%s: decision wait ended in %d of %d worker(s): %s", key, sum(ended), len(ended), why)
             return list(await self._engine.collective_rpc("pipelinerl_status"))
 
         return await wait_jobs(statuses, key, deadline, received=received, poll_s=POLL_S)
+
+    def cancel_waiting_update(self, reason: str) -> bool:
+        """An update armed and not yet past its trainer's decision ends: its next poll asks the
+        workers to end their decision waits (``pipelinerl_cancel_decision``), which then fail with
+        UpdateAborted naming ``reason``; nothing was received, the old weights keep serving."""
+        deciding = self._deciding
+        if deciding is None:
+            return False
+        deciding.cancel = deciding.cancel or reason
+        return True
 
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -144,14 +177,23 @@ class VLLMInferenceBackend(KitBackend):
         info = receive_info(req.version, req.params, req.bucket_bytes, req.timeout_s)
         deadline = receive_deadline(req.timeout_s, self.require_group().timeout_s)
         session: list[bool] = []
+        deciding = _Deciding(key)
+
+        def decided() -> None:
+            if self._deciding is deciding:
+                self._deciding = None
 
         async def arm() -> None:
+            self._deciding = deciding
             await engine.start_weight_update()
             session.append(True)
             await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
 
         async def await_go() -> None:
-            await self._wait_jobs(key, deadline, received=False)
+            try:
+                await self._wait_jobs(key, deadline, received=False, deciding=deciding)
+            finally:
+                decided()
 
         async def receive() -> float:
             return await self._wait_jobs(key, deadline, received=True)
@@ -161,6 +203,7 @@ class VLLMInferenceBackend(KitBackend):
             session.clear()
 
         async def abandon() -> None:
+            decided()
             if session:  # close vLLM's update session without applying anything
                 session.clear()
                 try:

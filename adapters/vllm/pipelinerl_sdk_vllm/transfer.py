@@ -241,6 +241,21 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             "last_apply_s": self.last_apply_s,
         }
 
+    def cancel_decision(self, key: str, reason: str) -> bool:
+        """End the receive job ``key``'s wait for the trainer's decision (its thread raises
+        UpdateAborted naming ``reason``, the job fails, aborted) and return True; False if that
+        job already has its decision, or is not the current job. Waits (up to :data:`CALL_OFF_S`)
+        for a thread still building its views to reach the wait."""
+        job, group = self.job, self.group
+        if job is None or job.key != key or job.thread is None or group is None:
+            return False
+        deadline = time.monotonic() + CALL_OFF_S
+        while job.thread.is_alive() and job.state == "deciding" and time.monotonic() < deadline:
+            if group.cancel_decision_wait(reason):
+                return True
+            job.thread.join(0.005)
+        return False
+
     def _call_off(self, job: _Job, reason: str) -> None:
         """Drop ``job``, whose session closed before it received: it never enters a broadcast.
 
@@ -288,10 +303,16 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
 
 class PipelineRLWorkerExtension:
     """Mixed into vLLM's worker (``--worker-extension-cls``): lets the API server read the
-    engine's receive status with ``collective_rpc("pipelinerl_status")`` without blocking."""
+    engine's receive status with ``collective_rpc("pipelinerl_status")`` without blocking, and end
+    a receive still waiting for its trainer's decision (``pipelinerl_cancel_decision``)."""
 
     def pipelinerl_status(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, PipelineRLWeightTransferEngine):
             return {"error": "the pipelinerl weight-transfer engine is not configured"}
         return engine.status()
+
+    def pipelinerl_cancel_decision(self, key: str, reason: str) -> bool:
+        """:meth:`PipelineRLWeightTransferEngine.cancel_decision` of this worker's engine."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return isinstance(engine, PipelineRLWeightTransferEngine) and engine.cancel_decision(key, reason)

@@ -129,3 +129,47 @@ def test_a_receive_dropped_mid_broadcast_refuses_the_next_arm_until_it_ends(
     assert CALL_OFF_S < GROUP_TIMEOUT_S
     with pytest.raises(RuntimeError, match=r"a dropped receive \(update/5, receiving\) has not ended yet"):
         engine.update_weights(receive_info(6, specs, 8 << 10, timeout_s=60))
+
+
+def test_cancel_decision_ends_only_a_receive_still_waiting_for_the_go(
+    trainer_and_engine: tuple[WeightSyncGroup, Any],
+) -> None:
+    """``cancel_decision`` (a new group replaces this one): a receive still waiting for the
+    trainer's decision ends at once, failed and aborted, naming why; one that already has its
+    ``go`` is left to receive (False), and receives every byte."""
+    import time
+
+    from pipelinerl_sdk_vllm.jobs import receive_info
+
+    trainer, engine = trainer_and_engine
+    specs = [ParamSpec(name=f"p{i}", dtype="float32", shape=(64, 32)) for i in range(4)]
+    engine.start_weight_update()
+    engine.update_weights(receive_info(5, specs, 8 << 10, timeout_s=60))
+    job = engine.job
+    assert not engine.cancel_decision(update_key(4), "not that job")
+    t0 = time.monotonic()
+    assert engine.cancel_decision(update_key(5), "a new group replaced this one")
+    job.thread.join(10)
+    ended_s = time.monotonic() - t0
+    assert ended_s < 5, ended_s
+    assert job.state == "failed" and job.aborted and "a new group replaced this one" in job.error, job.error
+    engine.finish_weight_update()
+    assert not engine.dropped and trainer.broken is None
+
+    trainer.clear_decision(update_key(6))
+    engine.start_weight_update()
+    engine.update_weights(receive_info(6, specs, 8 << 10, timeout_s=60))
+    job = engine.job
+    trainer.post_decision(update_key(6), go=True)
+    for _ in range(500):
+        if job.state != "deciding":
+            break
+        threading.Event().wait(0.01)
+    assert not engine.cancel_decision(update_key(6), "too late")
+    sender = WeightSender(trainer, BucketPlan.build(specs, 8 << 10))
+    for i in range(4):
+        sender.send(f"p{i}", torch.full((64, 32), float(i)))
+    sender.finish()
+    job.thread.join(GROUP_TIMEOUT_S + 30)
+    assert job.state == "received", (job.state, job.error)
+    assert all(torch.equal(t, torch.full((64, 32), float(n[1:]))) for n, t in job.staged.tensors())

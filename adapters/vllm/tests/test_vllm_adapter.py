@@ -46,6 +46,9 @@ pytestmark = pytest.mark.integration
 T = TypeVar("T")
 PROMPT = [{"role": "user", "content": "12+7="}]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: The module server's token budget per engine step (vLLM's CPU default, said explicitly): a
+#: longer prompt has its prefill split over steps.
+STEP_TOKENS = 2048
 
 
 def run(fn: Callable[[], Awaitable[T]]) -> T:
@@ -65,7 +68,11 @@ def vllm_server(tiny_model: Path) -> Iterator[ServerProcess]:
         tiny_model,
         env={**ENV, "VLLM_SERVER_DEV_MODE": "1"},
         # native_generation_routes: vLLM's own handlers beside ours, for the generate bench's anchor
-        options={"max_model_len": 4096, "native_generation_routes": 1},
+        options={
+            "max_model_len": 4096,
+            "native_generation_routes": 1,
+            "vllm_args": f"--max-num-batched-tokens {STEP_TOKENS}",
+        },
         startup_timeout_s=600,
     )
     t0 = time.monotonic()
@@ -370,6 +377,59 @@ def test_vllm_ignores_forged_decisions_and_refuses_non_finite_weights(
 
 
 @requires_vllm
+def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(
+    vllm_server: ServerProcess, tiny_model: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """The old trainer asked for an update and never decided (its decision is awaited in vLLM's
+    workers): a new trainer's ``/init_process_group`` ends it at once (``cancel_waiting_update``:
+    the workers' decision waits are ended) instead of a 409 for the update's whole timeout (120 s
+    here); the old weights keep serving, and the new trainer's update lands (logprobs equal its
+    weights', fp32: 1e-4)."""
+    from pipelinerl_sdk.testing.security import replace_a_waiting_trainer
+
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+    url, token = vllm_server.url, vllm_server.control_token
+
+    async def body() -> None:
+        async with (
+            InferenceClient(url, control_token=token) as old_client,
+            InferenceClient(url, control_token=token) as new_client,
+        ):
+            info = await old_client.info()
+            t0 = time.monotonic()
+            old, new, error = await replace_a_waiting_trainer(old_client, new_client, bucket_bytes=1 << 20)
+            replaced_s = time.monotonic() - t0
+            record_property("replaced_s", replaced_s)
+            print(f"\nstale update ended, new group joined: {replaced_s:.2f}s after the old trainer's request: {error}")
+            assert "replaced the group" in error and "cancelled while waiting" in error, error
+            after = await new_client.info()
+            assert after.version == info.version and after.group is not None and not after.group.broken
+            assert not after.updating
+            assert set((await _scored(new_client)).choices[0].weight_versions) == {info.version}
+            ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(11)).tolist()
+            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+            trainer.step()
+            async with new.update(info.version + 1, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            resp = await _scored(new_client)
+            choice = resp.choices[0]
+            assert set(choice.weight_versions) == {info.version + 1}
+            prompt = resp.prompt_token_ids or []
+            seq = prompt + (choice.token_ids or [])
+            lp = trainer.forward(TokenBatch(input_ids=[seq], completion_start=[len(prompt)]))[0]
+            served = torch.tensor([t.logprob for t in (choice.logprobs.content if choice.logprobs else [])])
+            assert (served - lp[len(prompt) - 1 :]).abs().max() < 1e-4
+            await old.close()
+            await new.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+@requires_vllm
 def test_vllm_serves_the_generation_api(vllm_server: ServerProcess) -> None:
     """The vLLM-compatible surface on the vllm backend: PipelineRL's actor body (``logprobs: 1``,
     ``include_stop_str_in_output``, ``skip_special_tokens: false``, ``top_k``,
@@ -406,6 +466,40 @@ def test_vllm_serves_the_generation_api(vllm_server: ServerProcess) -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = http.get("/v1/no-such-route")
         assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+@requires_vllm
+def test_a_seeded_request_with_a_split_prefill_hurts_no_other(vllm_server: ServerProcess) -> None:
+    """A seeded request whose prompt is longer than vLLM's token budget per step has its prefill
+    split (chunked prefill): vllm-cpu 0.32 rewinds the seeded generator of each partial step by
+    its Philox offset, which a CPU generator lacks, and the engine died for every request (the
+    adapter's mend in ``vllm_plugin`` rewinds it by its state). Here: 6 seeded choices of a long
+    prompt are answered, twice the same tokens; choice i equals a request alone with seed 21 + i
+    (its prefill split at other places: a discarded draw must leave no trace); the seeds differ
+    in effect; a normal request is answered."""
+    budget = STEP_TOKENS
+    words = " ".join(f"w{i}" for i in range(budget // 3))
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": words}], "n": 6, "seed": 21, "temperature": 1.0,
+        "max_tokens": 8, "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+    with httpx.Client(base_url=vllm_server.url, timeout=600) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        first = r.json()
+        assert first["usage"]["prompt_tokens"] > budget, (first["usage"], budget)  # the prefill is split
+        ids = [c["token_ids"] for c in first["choices"]]
+        assert all(len(t) == 8 for t in ids) and len({tuple(t) for t in ids}) > 1, ids
+        again = http.post("/v1/chat/completions", json=body).json()
+        assert [c["token_ids"] for c in again["choices"]] == ids
+        texts = [c["message"]["content"] for c in first["choices"]]
+        assert [c["message"]["content"] for c in again["choices"]] == texts
+        for i in range(6):  # alone, choice i's prompt is split at other places, and decoded in other batches
+            alone = http.post("/v1/chat/completions", json={**body, "n": 1, "seed": 21 + i}).json()
+            assert alone["choices"][0]["token_ids"] == ids[i], i
+        r = http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        assert http.get("/health").status_code == 200
 
 
 @requires_vllm
