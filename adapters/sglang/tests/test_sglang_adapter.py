@@ -421,10 +421,26 @@ async def _running_in_sglang(url: str, key: str) -> int:
 def test_streamed_greedy_chat_equals_the_non_streamed_one(sglang_server: ServerProcess) -> None:
     """A greedy stream (n 2, logprobs, token ids, usage), and one with a stop string, add up per
     choice to the non-streamed response: text, token ids, raw logprobs, weight versions, finish
-    reason on the last chunk only. Exact. (Sampled streams cannot be compared with a seed here:
-    SGLang 0.5.23 honours ``sampling_seed`` only with ``--enable-deterministic-inference``,
-    which needs a GPU attention backend.)"""
-    from pipelinerl_sdk.conformance.generation import check_stream, stop_string_of
+    reason on the last chunk only. Exact, but logprobs to 2e-5: SGLang's CPU kernels reduce in an
+    order that depends on the batch a token is decoded in (3.6e-7 seen in CI). (Sampled streams
+    cannot be compared with a seed here: SGLang 0.5.23 honours ``sampling_seed`` only with
+    ``--enable-deterministic-inference``, which needs a GPU attention backend.)"""
+    from pipelinerl_sdk.conformance.generation import check_stream as exact_stream
+    from pipelinerl_sdk.conformance.generation import stop_string_of
+
+    def check_stream(choices: Any, chunks: Any, what: str = "") -> None:
+        for choice in choices:
+            mine = [p for c in chunks[1:] for p in c.choices if p.index == choice.index]
+            got = [t.logprob for p in mine for t in (p.logprobs.content if p.logprobs else [])]
+            want = [t.logprob for t in (choice.logprobs.content if choice.logprobs else [])]
+            assert len(got) == len(want), f"{what}{len(got)} streamed logprobs, {len(want)} not streamed"
+            assert all(abs(a - b) < 2e-5 for a, b in zip(got, want, strict=True)), f"{what}{got} != {want}"
+        exact_stream(
+            [c.model_copy(update={"logprobs": None}) for c in choices],
+            [ch.model_copy(update={"choices": [p.model_copy(update={"logprobs": None}) for p in ch.choices]})
+             for ch in chunks],
+            what,
+        )  # fmt: skip
 
     body = {
         "messages": PROMPT, "max_tokens": 24, "temperature": 0, "n": 2, "ignore_eos": True, "logprobs": True,
@@ -534,7 +550,8 @@ def test_completions_text_token_ids_and_batches(sglang_server: ServerProcess, ti
             assert a.prompt_token_ids == ids and b.prompt_token_ids == ids
             assert a.token_ids == b.token_ids and a.text == b.text and len(a.token_ids or []) == 6
             assert a.logprobs is not None and len(a.logprobs.token_logprobs) == 6
-            assert all(len(t) == 2 or len(t) == 3 for t in a.logprobs.top_logprobs or [])
+            # text -> logprob: alternatives whose texts decode alike (U+FFFD) share one key
+            assert all(1 <= len(t) <= 3 for t in a.logprobs.top_logprobs or [])
             assert a.weight_versions == [a.weight_versions[0]] * 6
             assert a.prompt_logprobs is not None and a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(ids)
             batch = await client.completion({**common, "prompt": [ids, ids[:3]], "n": 2})
