@@ -181,7 +181,9 @@ def run_generate_bench(
         options: dict[str, object] = {"threads": server_threads} if backend == "reference" and server_threads else {}
         anchor = load_anchor(backend)
         native = getattr(anchor.flow, "generation", None) if anchor is not None else None
-        if isinstance(native, NativeGeneration):
+        if not isinstance(native, NativeGeneration):
+            native = None
+        else:
             options.update(native.options)
         with ServerProcess(backend, path, options=options, api_key="bench-generate-key") as server:
             figures = asyncio.run(

@@ -43,6 +43,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     assemble_response,
     plan_chat,
     prompt_entries,
+    refuse,
     version_label,
     versions_from_spans,
 )
@@ -323,13 +324,11 @@ class SGLangInferenceBackend(KitBackend):
     # --- generation -------------------------------------------------------------------------------
 
     def _refuse(self, req: wire.SamplingRequest) -> None:
-        """What SGLang cannot do, refused before anything is sent (400 naming the field): a
-        logit bias, prompt logprob alternatives (SGLang's one ``top_logprobs_num`` is shared by
-        the prompt and the completion)."""
-        defaults = type(req).model_fields
-        for name, why in UNSUPPORTED.items():
-            if name in req.model_fields_set and getattr(req, name) != defaults[name].default:
-                raise InvalidRequest(f"{name}: {why}", field=name)
+        """What SGLang cannot do, refused before anything is sent (400 naming the field): the
+        kit's :func:`~pipelinerl_sdk.kit.inference.chat.refuse` of :data:`UNSUPPORTED` (a logit
+        bias), prompt logprob alternatives (SGLang's one ``top_logprobs_num`` is shared by the
+        prompt and the completion)."""
+        refuse(req, UNSUPPORTED)
         if req.prompt_top:
             raise InvalidRequest(
                 "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
@@ -386,7 +385,7 @@ class SGLangInferenceBackend(KitBackend):
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
         self._refuse(req)
-        plan = await plan_chat(self.tokenizer, req, self._context, unsupported=UNSUPPORTED, structured=True)
+        plan = await plan_chat(self.tokenizer, req, self._context, structured=True)  # refused above
         outs = await asyncio.gather(*(self.sglang.generate(self._body(plan, req, i)) for i in range(req.n)))
         return assemble_response(
             self.model_name,

@@ -28,6 +28,7 @@ import httpx
 from pipelinerl_sdk.bench.anchor import FlowSettings, FlowTarget, NativeGeneration, NativeUpdate
 from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk_vllm.jobs import receive_info
+from pipelinerl_sdk_vllm.server import NATIVE_PREFIX
 
 __all__ = ["FLOW", "VLLMNativeFlow"]
 
@@ -63,10 +64,10 @@ FLOW = VLLMNativeFlow(
         "/finish_weight_update {weight_version}, /resume"
     ),
     server_env={"VLLM_SERVER_DEV_MODE": "1"},
-    # vLLM's own chat and completions handlers, mounted beside the SDK's (server.NATIVE_PREFIX)
+    # vLLM's own chat and completions handlers, mounted beside the SDK's
     generation=NativeGeneration(
         options={"native_generation_routes": "1"},
-        chat="/v1/vllm/chat/completions",
-        completions="/v1/vllm/completions",
+        chat=f"{NATIVE_PREFIX}/chat/completions",
+        completions=f"{NATIVE_PREFIX}/completions",
     ),
 )

@@ -80,12 +80,12 @@ def check_text(req: ChatCompletionRequest) -> None:
             ) from None
 
 
-def refuse(req: ChatCompletionRequest, unsupported: Mapping[str, str]) -> None:
-    """InvalidRequest naming the first field of ``unsupported`` (name -> why) the request sets
-    to other than its default, and for what no backend serves yet: prompt logprobs in a stream
-    (vLLM refuses them too). Whether a backend streams at all is the router's check (capability
-    ``streaming``), whether it constrains text :func:`constrain`'s."""
-    defaults = ChatCompletionRequest.model_fields
+def refuse(req: SamplingRequest, unsupported: Mapping[str, str]) -> None:
+    """InvalidRequest naming the first field of ``unsupported`` (name -> why) the request (chat
+    or completions) sets to other than its default, and for what no backend serves yet: prompt
+    logprobs in a stream (vLLM refuses them too). Whether a backend streams at all is the
+    router's check (capability ``streaming``), whether it constrains text :func:`constrain`'s."""
+    defaults = type(req).model_fields
     for name, why in unsupported.items():
         if name in req.model_fields_set and getattr(req, name) != defaults[name].default:
             raise InvalidRequest(f"{name}: {why}", field=name)
