@@ -661,7 +661,7 @@ class StreamsToolCallsAsText(ReferenceInferenceBackend):
     Caught by ``test_streamed_tool_calls_add_up_to_the_non_streamed_calls``: "streamed calls []"."""
 
     async def chat_completion_stream(self, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len, structured=True)
+        plan = await self.prepare(await plan_chat(self.tokenizer, req, self.engine.max_model_len, structured=True))
         samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
         blind = req.model_copy(update={"tool_choice": "none"})  # the bug: the stream never sees the tool choice
         return chat_chunks(self.tokenizer, self.model_name, blind, plan, samples, self.ending_ids(req))

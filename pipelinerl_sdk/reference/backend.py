@@ -11,6 +11,7 @@ arrived, so a failed update leaves the old weights serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -117,8 +118,9 @@ class ReferenceInferenceBackend(KitBackend):
     def _sampling(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> SamplingParams:
         """The engine's settings for sample ``i`` of ``req`` (prompt logprobs on the first)."""
         prompt_top = req.prompt_top
-        so = plan.structured
-        constraint = None if so is None else functools.partial(self._grammars.constraint, self._grammars.compile(so))
+        if plan.structured is not None and plan.constraint is None:
+            raise RuntimeError("a structured plan must be prepared (its grammar compiled) before it is sampled")
+        constraint = None if plan.constraint is None else functools.partial(self._grammars.constraint, plan.constraint)
         return SamplingParams(
             constraint=constraint,
             max_tokens=plan.max_tokens,
@@ -132,6 +134,12 @@ class ReferenceInferenceBackend(KitBackend):
             ignore_eos=req.ignore_eos,
         )
 
+    async def prepare(self, plan: ChatPlan) -> ChatPlan:
+        """``plan`` with its grammar compiled (xgrammar, cached by its compiler) on a worker thread."""
+        if plan.structured is None:
+            return plan
+        return dataclasses.replace(plan, constraint=await asyncio.to_thread(self._grammars.compile, plan.structured))
+
     def sample_steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
         return self.engine.stream(plan.prompt_ids, self._sampling(plan, req, i))
 
@@ -139,9 +147,7 @@ class ReferenceInferenceBackend(KitBackend):
         return frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.engine.eos_token_ids)
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
-        plan = await plan_chat(self.tokenizer, req, self.engine.max_model_len, structured=True)
-        if plan.structured is not None:  # compiled (and cached) off the event loop
-            await asyncio.to_thread(self._grammars.compile, plan.structured)
+        plan = await self.prepare(await plan_chat(self.tokenizer, req, self.engine.max_model_len, structured=True))
         results = await asyncio.gather(
             *(self.engine.generate(plan.prompt_ids, self._sampling(plan, req, i)) for i in range(req.n))
         )

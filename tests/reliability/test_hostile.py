@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -152,6 +153,44 @@ def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> N
     assert len(stalls) >= 3, "the big request must still be processing while /health is asked"
     assert max(stalls) < 5.0, f"/health stalled {max(stalls):.1f} s behind one request"
     assert after - before < 200, f"the server kept {after - before:.0f} MB after one 10 MB prompt"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_health_answers_while_a_slow_grammar_compiles(server: Any, stream: bool) -> None:
+    """A 28 KB regex of 4,000 alternations takes xgrammar seconds to compile (2.4 s on the
+    development machine): the grammar compiles on a worker thread, before any sample (the
+    backend's ``prepare``), not on the event loop, where the streamed path compiled it and
+    ``/health`` waited for the whole compile. Each case has its own regex (the compiler caches)."""
+    alternation = "(ac|bd)" if stream else "(ab|cd)"
+    req = {**SMALL, "max_tokens": 4, "stream": stream, "structured_outputs": {"regex": alternation * 4000}}
+
+    async def body() -> tuple[httpx.Response, list[float]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            big = asyncio.ensure_future(http.post("/v1/chat/completions", json=req))
+            stalls: list[float] = []
+            while not big.done():
+                t0 = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                stalls.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.01)
+            return await big, stalls
+
+    resp, stalls = run(body)
+    print(f"\n/health while a slow grammar compiles (stream {stream}): longest of {len(stalls)}: {max(stalls):.3f} s")
+    assert resp.status_code == 200, resp.text
+    text = (
+        "".join(
+            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in resp.text.splitlines()
+            if line.startswith("data: {")
+        )
+        if stream
+        else resp.json()["choices"][0]["message"]["content"]
+    )
+    a, b = alternation[1:3], alternation[4:6]
+    assert text and re.fullmatch(f"(?:{a}|{b})*[{a[0]}{b[0]}]?", text), text  # a prefix the grammar allows
+    assert max(stalls) < 0.5, f"/health stalled {max(stalls):.1f} s behind one grammar's compile"
+    assert len(stalls) >= 10, "the compile must still be running while /health is asked"
 
 
 # --- 8. admission, a client that leaves, SIGTERM ----------------------------------------------------

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -337,9 +338,9 @@ class SGLangInferenceBackend(KitBackend):
 
     def _body(self, plan: ChatPlan, req: wire.SamplingRequest, i: int, *, stream: bool = False) -> dict[str, Any]:
         """SGLang's ``/generate`` body for sample ``i`` of ``req`` on ``plan``'s prompt (prompt
-        logprobs on the first sample if asked; ``stream``: SGLang's streamed events). The
-        constraint is compiled here first: a spec that does not compile is a 400 naming its
-        field before SGLang sees it."""
+        logprobs on the first sample if asked; ``stream``: SGLang's streamed events), with the
+        constraint :meth:`prepare` made (a spec that does not compile was a 400 naming its field
+        there, before SGLang saw it)."""
         sampling: dict[str, Any] = {
             "max_new_tokens": plan.max_tokens,
             "temperature": plan.temperature,
@@ -360,7 +361,9 @@ class SGLangInferenceBackend(KitBackend):
         if req.seed is not None:
             sampling["sampling_seed"] = req.seed + i
         if plan.structured is not None:
-            sampling.update(sglang_constraint(plan.structured))
+            if plan.constraint is None:
+                raise RuntimeError("a structured plan must be prepared (its constraint checked) before it is sampled")
+            sampling.update(plan.constraint)
         prompt_lps = req.prompt_top is not None and i == 0 and not stream
         body: dict[str, Any] = {
             "input_ids": plan.prompt_ids,
@@ -385,7 +388,7 @@ class SGLangInferenceBackend(KitBackend):
 
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
         self._refuse(req)
-        plan = await plan_chat(self.tokenizer, req, self._context, structured=True)  # refused above
+        plan = await self.prepare(await plan_chat(self.tokenizer, req, self._context, structured=True))  # refused above
         outs = await asyncio.gather(*(self.sglang.generate(self._body(plan, req, i)) for i in range(req.n)))
         return assemble_response(
             self.model_name,
@@ -444,8 +447,15 @@ class SGLangInferenceBackend(KitBackend):
             "top_logprobs": tops,
         }
 
+    async def prepare(self, plan: ChatPlan) -> ChatPlan:
+        """``plan`` with SGLang's constraint parameter (:func:`sglang_constraint`: its spec
+        parsed by xgrammar, which grows with the spec) made on a worker thread, once per request."""
+        if plan.structured is None:
+            return plan
+        return dataclasses.replace(plan, constraint=await asyncio.to_thread(sglang_constraint, plan.structured))
+
     def sample_steps(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
-        # refusals and the constraint's compile here, before the stream starts: still a 400
+        # refusals here, before the stream starts: still a 400
         self._refuse(req)
         return self._steps(plan, req, self._body(plan, req, i, stream=True))
 

@@ -172,7 +172,9 @@ class KitBackend(InferenceBackend):
         (:func:`~pipelinerl_sdk.kit.inference.stream.chat_chunks`)."""
         if self.max_model_len is None:
             raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
-        plan = await plan_chat(self.tokenizer, req, self.max_model_len, structured=self.capabilities.structured_outputs)
+        plan = await self.prepare(
+            await plan_chat(self.tokenizer, req, self.max_model_len, structured=self.capabilities.structured_outputs)
+        )
         samples = [self.sample_steps(plan, req, i) for i in range(req.n)]
         return chat_chunks(self.tokenizer, self.model_name, req, plan, samples, self.ending_ids(req), self.tool_parser)
 
@@ -181,9 +183,16 @@ class KitBackend(InferenceBackend):
         and ``completions``): planned first (400s here), then the kit's chunks."""
         if self.max_model_len is None:
             raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
-        plans = await plan_completion(self.tokenizer, req, self.max_model_len)
+        plans = [await self.prepare(p) for p in await plan_completion(self.tokenizer, req, self.max_model_len)]
         samples = [self.sample_steps(plan, req, i) for plan in plans for i in range(req.n)]
         return completion_chunks(self.tokenizer, self.model_name, req, plans, samples, self.ending_ids(req))
+
+    async def prepare(self, plan: ChatPlan) -> ChatPlan:
+        """``plan`` with the engine's own work on it done, off the event loop, before any of its
+        samples: e.g. its ``structured`` output compiled into ``constraint`` (a grammar can take
+        seconds to compile; on the loop it would stall every request). InvalidRequest (a 400)
+        for what the engine refuses. The default has nothing to do."""
+        return plan
 
     def sample_steps(self, plan: ChatPlan, req: SamplingRequest, i: int) -> AsyncIterator[TokenStep]:
         """Sample ``i`` of ``req`` (for ``plan``'s prompt) as the engine produces it, ending

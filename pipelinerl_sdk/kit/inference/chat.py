@@ -50,7 +50,9 @@ class ChatPlan:
     the engine computes with (``temperature`` 0 or at least :data:`MIN_TEMPERATURE`; ``top_p`` as
     asked: an engine's top-p keeps at least the most likely token, however small it is), and
     what the text is constrained to (``structured``: a structured ``response_format``, vLLM's
-    ``structured_outputs`` or a forced ``tool_choice``; None: free text)."""
+    ``structured_outputs`` or a forced ``tool_choice``; None: free text), and ``constraint``: the
+    engine's own form of ``structured`` (its compiled grammar, its request parameter), made off
+    the event loop by the backend's ``prepare`` before any sample (None until then)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -60,6 +62,7 @@ class ChatPlan:
     temperature: float = 1.0
     top_p: float = 1.0
     structured: StructuredOutput | None = None
+    constraint: Any = None
 
 
 def sampling_temperature(temperature: float) -> float:
