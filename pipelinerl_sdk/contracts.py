@@ -224,6 +224,13 @@ class InferenceBackend(ABC):
     def param_specs(self) -> list[ParamSpec]:
         """The params an update must carry, under HF names, in the server's dtype."""
 
+    @property
+    def signs_rendezvous(self) -> bool:
+        """Whether this server's workers join the group through the SDK's ``WeightSyncGroup``,
+        so can sign every rendezvous value (``/info``'s ``signed_rendezvous``). Default False: an
+        engine that forms the group with its own code reads plain values."""
+        return False
+
     def worker_states(self) -> list[WorkerState] | None:
         """``/info``'s ``workers``: one entry per engine worker of a server that fronts several
         (a dead one reported as ``dead``, never dropped); the default reports none."""

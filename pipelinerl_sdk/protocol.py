@@ -104,6 +104,9 @@ class InitProcessGroupRequest(WireModel):
     )
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     group_secret: Annotated[str, Field(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$", repr=False)]
+    #: Every rendezvous value in the store is signed with the secret (``weights.signed_store``);
+    #: a trainer asks it only of servers whose ``/info`` says ``signed_rendezvous``.
+    signed_rendezvous: bool = False
 
     @field_validator("init_method")
     @classmethod
@@ -214,6 +217,9 @@ class ServerInfo(WireModel):
     tokens_in_flight: int = 0
     #: The server's engine workers, for a server that fronts several (``None``: not reported).
     workers: list[WorkerState] | None = None
+    #: The server's workers join through the SDK's group, which can sign every rendezvous value
+    #: (``InitProcessGroupRequest.signed_rendezvous``); False for an engine that forms it itself.
+    signed_rendezvous: bool = False
 
 
 # --- chat completions (OpenAI schema plus the extensions the contract adds) ----------------------

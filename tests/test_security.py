@@ -7,6 +7,9 @@ discloses, where it lets a token holder send it, unbounded versions, NaN weights
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import datetime
 import math
 import os
 import signal
@@ -14,6 +17,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,14 +28,17 @@ import torch
 from test_server_integration import publish, run
 
 from pipelinerl_sdk.conformance.inference import update_body
-from pipelinerl_sdk.errors import FanOutError, ServerError
+from pipelinerl_sdk.errors import FanOutError, GroupError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
-from pipelinerl_sdk.testing.security import forge, outsider, replace_a_waiting_trainer
-from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.testing.security import forge, outsider, replace_a_waiting_trainer, take_rank_zero
+from pipelinerl_sdk.weights.auth import new_group_secret
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.publisher import WeightPublisher, free_port
 from pipelinerl_sdk.weights.receive import update_key
+from pipelinerl_sdk.weights.signed_store import verified_value
 
 pytestmark = pytest.mark.integration
 CHAT = {"messages": [{"role": "user", "content": "12+7="}], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
@@ -131,6 +138,75 @@ def test_forged_go_does_not_start_a_receive(server: Any, trainer: ReferenceTrain
 
 
 # --- 2. an update belongs to the group it was formed for ------------------------------------------
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_an_outsider_cannot_take_a_members_place_while_the_group_forms(signed: bool) -> None:
+    """The store lists its keys to anyone (``list_keys``), secret namespace included: an outsider
+    who writes its own gloo address over the trainer's before a server joins becomes that
+    server's rank 0 and feeds it its own bytes (the unsigned case shows it happen). With the
+    rendezvous signed, the server reads a value nobody with the secret wrote and refuses to form
+    the group, naming the key."""
+    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    secret = new_group_secret()
+    cfg = GroupConfig(init, 0, 2, "gloo", "pipelinerl-weights", 10, secret, signed)
+
+    def trainer() -> None:
+        with contextlib.suppress(GroupError):  # its server went to the outsider: it times out
+            WeightSyncGroup(cfg)
+
+    threading.Thread(target=trainer, daemon=True).start()
+    host, port = parse_init_method(init)
+    watcher = torch.distributed.TCPStore(  # type: ignore[attr-defined]
+        host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    deadline = time.monotonic() + 10
+    while not (keys := [k for k in watcher.list_keys() if k.endswith("//cpu//0/0")]):
+        assert time.monotonic() < deadline, "the trainer never wrote its rendezvous value"
+        time.sleep(0.01)
+    trainers = bytes(watcher.get(keys[0]))
+    attacker = take_rank_zero(init, fill=7.0)
+    while bytes(watcher.get(keys[0])) == trainers:  # until the outsider wrote its address over it
+        assert time.monotonic() < deadline, "the outsider never wrote its address"
+        time.sleep(0.01)
+    joining = dataclasses.replace(cfg, rank=1)
+    if not signed:
+        server = WeightSyncGroup(joining)
+        received = torch.zeros(4)
+        server.broadcast(received)
+        attacker.join(10)
+        assert received.tolist() == [7.0] * 4 and attacker.outcome == "sent"  # the outsider was rank 0
+        server.close()
+        return
+    with pytest.raises(GroupError, match="not written by a member") as err:
+        WeightSyncGroup(joining)
+    assert "//cpu//0/0" in str(err.value) and time.monotonic() < deadline + 5
+    attacker.join(15)
+    assert attacker.outcome != "sent"
+
+
+def test_a_server_of_the_sdk_joins_a_signed_rendezvous(server: Any, trainer: ReferenceTrainer) -> None:
+    """The reference server says ``signed_rendezvous`` in ``/info``; the trainer then signs every
+    rendezvous value (an outsider reads tags it cannot make), and updates work as before."""
+
+    async def body() -> tuple[bool, bytes]:
+        async with InferenceClient(server.url, control_token=server.control_token) as client:
+            signed = (await client.info()).signed_rendezvous
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=30)
+            await pub.connect()
+            assert pub.group is not None and pub.group.config.signed
+            store = outsider(pub)
+            key = next(k for k in store.list_keys() if k.endswith("//cpu//0/0"))
+            raw = bytes(store.get(key))
+            verified_value(pub.group.config.secret, key, raw)  # a member's tag
+            with pytest.raises(GroupError):
+                verified_value(new_group_secret(), key, raw)
+            await publish(pub, trainer, (await client.info()).version + 1)
+            await pub.close()
+            return signed, raw
+
+    signed, raw = run(body)
+    assert signed and len(raw) > 32
 
 
 def test_update_from_a_replaced_trainer_is_refused_at_once(server: Any, trainer: ReferenceTrainer) -> None:

@@ -317,6 +317,7 @@ def build_router(
             requests_in_flight=admission.requests,
             tokens_in_flight=admission.tokens,
             workers=backend.worker_states(),
+            signed_rendezvous=backend.signs_rendezvous,
         )
 
     @router.post("/init_process_group")
@@ -334,6 +335,12 @@ def build_router(
                 f"rank_offset {req.rank_offset} + this server's {backend.receiving_workers} receiving worker(s) "
                 f"is past world_size {req.world_size}",
                 field="rank_offset",
+            )
+        if req.signed_rendezvous and not backend.signs_rendezvous:
+            raise InvalidRequest(
+                f"signed_rendezvous: this {backend.name} server's engine forms the group with its own code, "
+                "which cannot sign the rendezvous",
+                field="signed_rendezvous",
             )
         pending = slot.update
         if pending is not None and backend.cancel_waiting_update("a new /init_process_group replaced the group"):

@@ -87,6 +87,10 @@ class ReferenceInferenceBackend(KitBackend):
 
     # --- weight sync ----------------------------------------------------------------------------
 
+    @property
+    def signs_rendezvous(self) -> bool:
+        return True  # its engine joins through the SDK's WeightSyncGroup
+
     async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         self.refuse_nccl_on_cpu(req, not torch.cuda.is_available())
         old, self._receiver = self.book.group, None

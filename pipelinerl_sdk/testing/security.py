@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import threading
+import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pipelinerl_sdk.errors import ServerError
@@ -14,7 +17,7 @@ from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
-__all__ = ["forge", "outsider", "replace_a_waiting_trainer"]
+__all__ = ["forge", "outsider", "replace_a_waiting_trainer", "take_rank_zero"]
 
 
 def outsider(pub: WeightPublisher) -> Any:
@@ -55,3 +58,34 @@ async def replace_a_waiting_trainer(
     except ServerError as e:
         return old, new, str(e)
     raise AssertionError("the stale update was applied")
+
+
+def take_rank_zero(init_method: str, fill: float, timeout_s: float = 10.0) -> threading.Thread:
+    """An outsider who reaches a forming group's store at ``init_method``: it lists the keys until
+    the trainer's rendezvous value appears, forms a gloo group as rank 0 under the same name (its
+    address written over the trainer's) and broadcasts one tensor of 4 ``fill`` values to rank 1.
+    Returns its thread; ``thread.outcome`` is "sent" or the exception that stopped it."""
+    host, port = parse_init_method(init_method)
+
+    def attack() -> None:
+        from pipelinerl_sdk.weights.group import torch_group_store
+
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+            deadline = time.monotonic() + timeout_s
+            while not (keys := [k for k in store.list_keys() if k.endswith("/0")]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            name = keys[0].split("/", 1)[0]  # the group's store name, secret namespace and all
+            view = torch_group_store(store, name, "gloo")
+            pg = dist.ProcessGroupGloo(view, 0, 2, datetime.timedelta(seconds=timeout_s))
+            pg.broadcast(torch.full((4,), fill), 0).wait()  # type: ignore[attr-defined]
+            thread.outcome = "sent"  # type: ignore[attr-defined]
+        except Exception as e:
+            thread.outcome = e  # type: ignore[attr-defined]
+
+    thread = threading.Thread(target=attack, name="outsider-rank-0", daemon=True)
+    thread.outcome = None  # type: ignore[attr-defined]
+    thread.start()
+    return thread

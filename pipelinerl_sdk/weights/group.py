@@ -11,7 +11,9 @@ update refused by one server of a fleet can be called off cleanly on all the oth
 
 The store has no authentication of its own: rank 0 binds it to the address asked for (not every
 interface), and the group's secret (:mod:`pipelinerl_sdk.weights.auth`) namespaces its keys and
-signs every decision; a receiver ignores (and logs) a decision not signed with it.
+signs every decision; a receiver ignores (and logs) a decision not signed with it. Where every
+member forms through this module, every rendezvous value is signed too
+(:mod:`pipelinerl_sdk.weights.signed_store`): nobody without the secret can take a member's place.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from pipelinerl_sdk.errors import DecisionTimeout, GroupError, UpdateAborted
 from pipelinerl_sdk.protocol import GroupBackend, InitProcessGroupRequest, parse_init_method
 from pipelinerl_sdk.weights.auth import group_id, read_decision, sign_decision, store_name
+from pipelinerl_sdk.weights.signed_store import SignedStore
 
 log = logging.getLogger("pipelinerl_sdk.weights.group")
 #: How often a receiver re-reads a decision key that holds a value not signed with the secret.
@@ -49,6 +52,9 @@ class GroupConfig:
     #: The group's secret (:mod:`~pipelinerl_sdk.weights.auth`); "" only for in-process use: with
     #: it empty, anyone who reaches the store can forge decisions.
     secret: str = field(default="", repr=False)
+    #: Every rendezvous value signed with ``secret`` (:mod:`~pipelinerl_sdk.weights.signed_store`):
+    #: only when every member forms through this class (``ServerInfo.signed_rendezvous``).
+    signed: bool = False
 
     @property
     def group_id(self) -> str:
@@ -63,7 +69,16 @@ class GroupConfig:
     def joining(cls, req: InitProcessGroupRequest, rank: int) -> GroupConfig:
         """The config of a server's worker joining, at ``rank`` (``req.rank_offset`` plus the
         worker's index in its server), the group the ``/init_process_group`` body ``req`` names."""
-        return cls(req.init_method, rank, req.world_size, req.backend, req.group_name, req.timeout_s, req.group_secret)
+        return cls(
+            req.init_method,
+            rank,
+            req.world_size,
+            req.backend,
+            req.group_name,
+            req.timeout_s,
+            req.group_secret,
+            req.signed_rendezvous,
+        )
 
     def invitation(self, rank_offset: int) -> InitProcessGroupRequest:
         """The ``/init_process_group`` body that invites a server whose workers take the ranks
@@ -76,6 +91,7 @@ class GroupConfig:
             group_name=self.group_name,
             timeout_s=self.timeout_s,
             group_secret=self.secret,
+            signed_rendezvous=self.signed,
         )
 
 
@@ -234,7 +250,10 @@ class WeightSyncGroup:
                 master_listen_fd=listen_fd,
             )
             self._decisions = DecisionBoard(self._store, config.store_name, config.secret)
-            prefixed = torch_group_store(self._store, config.store_name, config.backend)
+            # the backend's rendezvous over a view that signs and verifies every value (kept: the
+            # backend calls back into it)
+            self._rendezvous = SignedStore(self._store, config.secret) if config.signed else self._store
+            prefixed = torch_group_store(self._rendezvous, config.store_name, config.backend)
             if config.backend == "gloo":
                 self.device = torch.device("cpu")
                 self._pg: Any = dist.ProcessGroupGloo(prefixed, config.rank, config.world_size, timeout)

@@ -130,15 +130,18 @@ class WeightPublisher:
     ) -> None:
         """Form the group: rank 0 here, each server's workers at consecutive ranks after it.
         The group's store listens on ``host`` only. Each server gets a fresh secret for this group
-        (see :mod:`~pipelinerl_sdk.weights.auth`). Raises FanOutError naming every server that
-        failed to join."""
+        (see :mod:`~pipelinerl_sdk.weights.auth`), and every rendezvous value is signed with it
+        where every server's ``/info`` says ``signed_rendezvous``. Raises FanOutError naming every
+        server that failed to join."""
         infos = cast(list[ServerInfo], await _fan_out([c.info() for c in self.clients], self.clients))
         world = 1 + sum(i.receiving_workers for i in infos)
         port = port or free_port(host)
         init_method = f"tcp://{host}:{port}"
         offsets = list(itertools.accumulate([1] + [i.receiving_workers for i in infos]))[:-1]
         secret = new_group_secret()
-        cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s, secret)
+        # signed rendezvous only where every server's workers can verify it
+        signed = all(i.signed_rendezvous for i in infos)
+        cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s, secret, signed)
         own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, cfg))
         joins = [c.init_process_group(cfg.invitation(off)) for c, off in zip(self.clients, offsets, strict=True)]
         results = await asyncio.gather(*joins, return_exceptions=True)

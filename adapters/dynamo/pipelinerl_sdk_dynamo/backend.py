@@ -229,6 +229,10 @@ class DynamoInferenceBackend(KitBackend):
 
     # --- weight sync ------------------------------------------------------------------------------
 
+    @property
+    def signs_rendezvous(self) -> bool:
+        return True  # every worker's vLLM joins through the SDK's WeightSyncGroup
+
     async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         self.refuse_nccl_on_cpu(req, _cpu_build())
         self.book.leave()

@@ -130,6 +130,10 @@ class VLLMInferenceBackend(KitBackend):
 
     # --- weight sync ------------------------------------------------------------------------------
 
+    @property
+    def signs_rendezvous(self) -> bool:
+        return True  # every vLLM worker joins through the SDK's WeightSyncGroup (transfer.py)
+
     async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
