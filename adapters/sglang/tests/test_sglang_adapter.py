@@ -11,6 +11,7 @@ receive-pause check all run against it. At most one SGLang server is alive at a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -30,10 +31,12 @@ from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.conformance.stateful import StatefulContractTests
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
+from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import ChatCompletionResponse
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.weights.auth import new_group_secret
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -384,6 +387,31 @@ def test_probe_broadcast_is_received_by_sglang(sglang_server: ServerProcess) -> 
             assert info.version == before and info.group is not None and not info.group.broken
             resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
             assert set(resp.choices[0].weight_versions) == {before}
+            await pub.close()
+
+    run(body)
+
+
+@requires_sglang
+def test_sglang_forms_unsigned_and_refuses_a_signed_rendezvous(sglang_server: ServerProcess) -> None:
+    """SGLang's own group call reads plain rendezvous values: ``/info`` says so, the SDK's trainer
+    then forms the group unsigned (and it joins), and an invitation that asks for a signed
+    rendezvous is a 400 naming the field, before anything joins; the server keeps serving."""
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            assert not (await client.info()).signed_rendezvous
+            pub = WeightPublisher([client])
+            await pub.connect()
+            assert pub.group is not None and not pub.group.config.signed
+            signed = dataclasses.replace(pub.group.config, signed=True, secret=new_group_secret())
+            with pytest.raises(ServerError) as err:
+                await client.init_process_group(signed.invitation(1))
+            assert err.value.status == 400 and "signed_rendezvous" in str(err.value), err.value
+            info = await client.info()
+            assert info.group is not None and not info.group.broken  # the old group still stands
+            resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
+            assert set(resp.choices[0].weight_versions) == {info.version}
             await pub.close()
 
     run(body)
