@@ -164,8 +164,9 @@ def test_health_answers_while_a_slow_grammar_compiles(server: Any, stream: bool)
     alternation = "(ac|bd)" if stream else "(ab|cd)"
     req = {**SMALL, "max_tokens": 4, "stream": stream, "structured_outputs": {"regex": alternation * 4000}}
 
-    async def body() -> tuple[httpx.Response, list[float]]:
+    async def body() -> tuple[httpx.Response, list[float], float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            start = time.perf_counter()
             big = asyncio.ensure_future(http.post("/v1/chat/completions", json=req))
             stalls: list[float] = []
             while not big.done():
@@ -173,23 +174,22 @@ def test_health_answers_while_a_slow_grammar_compiles(server: Any, stream: bool)
                 assert (await http.get("/health")).status_code == 200
                 stalls.append(time.perf_counter() - t0)
                 await asyncio.sleep(0.01)
-            return await big, stalls
+            return await big, stalls, time.perf_counter() - start
 
-    resp, stalls = run(body)
-    print(f"\n/health while a slow grammar compiles (stream {stream}): longest of {len(stalls)}: {max(stalls):.3f} s")
+    resp, stalls, wall = run(body)
+    print(f"\n/health while a grammar compiles (stream {stream}): longest {max(stalls):.3f} s of {wall:.1f} s")
     assert resp.status_code == 200, resp.text
-    text = (
-        "".join(
-            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-            for line in resp.text.splitlines()
-            if line.startswith("data: {")
-        )
-        if stream
-        else resp.json()["choices"][0]["message"]["content"]
-    )
+    if stream:
+        events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        assert not [e for e in events if "error" in e], events
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    else:
+        text = resp.json()["choices"][0]["message"]["content"]
     a, b = alternation[1:3], alternation[4:6]
     assert text and re.fullmatch(f"(?:{a}|{b})*[{a[0]}{b[0]}]?", text), text  # a prefix the grammar allows
-    assert max(stalls) < 0.5, f"/health stalled {max(stalls):.1f} s behind one grammar's compile"
+    # on the loop, the compile is one stall of nearly the whole request (2.3 s of 2.5 s); off it,
+    # stalls are the machine's own (9-16 ms idle, 0.72 s once in a CI run at load 5)
+    assert max(stalls) < 0.4 * wall, f"/health stalled {max(stalls):.1f} s of the request's {wall:.1f} s"
     assert len(stalls) >= 10, "the compile must still be running while /health is asked"
 
 
