@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pipelinerl_sdk.errors import InvalidRequest, UpdateRejected
 from pipelinerl_sdk.protocol import (
+    ApplyFloorResponse,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -154,13 +155,18 @@ class UpdateReport:
     receive_s: float
     apply_s: float
     total_s: float
+    #: The phases the backend observed (``protocol.SERVER_PHASES`` and engine-specific ones), by
+    #: name without the ``at_`` prefix: ``time.time()`` stamps.
+    stamps: Mapping[str, float] = field(default_factory=dict)
 
     def timings(self) -> dict[str, float]:
+        """The ``done`` event's ``timings``: the durations, then each stamp as ``at_<phase>``."""
         return {
             "pause_s": self.pause_s,
             "receive_s": self.receive_s,
             "apply_s": self.apply_s,
             "total_s": self.total_s,
+            **{f"at_{k}": v for k, v in self.stamps.items()},
         }
 
 
@@ -271,6 +277,15 @@ class InferenceBackend(ABC):
         UpdateAborted naming ``reason`` and return True. The default cannot (False): the new
         group is then refused with 409 until the update ends."""
         return False
+
+    async def apply_floor(self, repeats: int) -> ApplyFloorResponse:
+        """Benchmarks only (``POST /bench/apply_floor``): apply the weights now served to the
+        engine itself ``repeats`` times through the same code an update's apply runs, with no
+        transfer, and return each apply's seconds (timed where the apply runs). Must leave the
+        served weights bit-identical and hold generation as an update's apply does. Called with
+        the control slot held. The default cannot (NotImplementedError: answered 501); raise
+        UpdateRejected (422) when there is nothing to re-apply yet."""
+        raise NotImplementedError(f"the {self.name} backend does not time its apply")
 
     @abstractmethod
     async def probe_broadcast(self, req: ProbeBroadcastRequest) -> float:

@@ -152,13 +152,58 @@ class UpdateEvent(WireModel):
     """One NDJSON line of the ``/request_weight_update`` response stream.
 
     ``accepted`` comes first, as soon as validation passed and the receive is armed; then exactly
-    one of ``done`` (the new weights are live) or ``error`` (old weights still serving)."""
+    one of ``done`` (the new weights are live) or ``error`` (old weights still serving).
+
+    ``timings``: durations in seconds (keys ending ``_s``: ``pause_s``, ``receive_s``, ``apply_s``,
+    ``total_s``) and, where the server records them, the update's phases as wall-clock stamps
+    (keys starting ``at_``: ``time.time()`` seconds on the server's clock; see
+    :data:`SERVER_PHASES`). A client ignores keys it does not know."""
 
     event: Literal["accepted", "done", "error"]
     version: int
     mode: ReceiveMode | None = None
     detail: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
+
+
+#: The phases of one update a server stamps in its ``done`` event's ``timings`` (``at_`` + name,
+#: ``time.time()``), in the order a ``staged`` update goes through them (a ``direct`` one holds
+#: generation, ``pause_request`` and ``pause_start``, before its ``last_bucket``); a server stamps
+#: those it can observe, and an engine whose workers receive adds ``worker_*`` stamps of its own.
+#: ``first_bucket``/``last_bucket``: the first and the last bucket of the broadcast received (the
+#: closest a bucketed collective lets a receiver see its first and last byte).
+SERVER_PHASES: tuple[str, ...] = (
+    "request",  # the route was entered (body parsed)
+    "validated",  # validation passed
+    "armed",  # the receive is armed (the backend's ``on_accepted``)
+    "accepted",  # the ``accepted`` line is handed to the response stream
+    "decision",  # the server saw the trainer's ``go``
+    "first_bucket",
+    "last_bucket",
+    "pause_request",  # the hold asked of the engine
+    "pause_start",  # generation held from here (the engine said so) ...
+    "apply_start",
+    "apply_end",
+    "pause_end",  # ... to here (the hold released)
+    "done",  # the ``done`` line is handed to the response stream
+)
+
+
+class ApplyFloorRequest(WireModel):
+    """``POST /bench/apply_floor`` (control, benchmarks only): apply the weights the server
+    serves to itself ``repeats`` times through the engine's own apply of an update (no
+    transfer) and time each apply. Nothing served changes; refused (409) while another control
+    operation runs, and (422) by a server that has not applied an update it can re-apply."""
+
+    repeats: Annotated[int, Field(ge=1, le=100)] = 3
+
+
+class ApplyFloorResponse(WireModel):
+    """The seconds of each apply (the slowest worker's, for an engine of several), and what was
+    timed (``detail``: the engine's apply path)."""
+
+    seconds: Annotated[list[float], Field(min_length=1)]
+    detail: str
 
 
 class ProbeBroadcastRequest(WireModel):

@@ -189,7 +189,7 @@ def test_bad_updates_are_refused_before_receive_and_lose_nothing(server: Any) ->
 def test_control_routes_need_the_control_token(server: Any) -> None:
     async def body() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-            for path in ("/request_weight_update", "/init_process_group", "/probe_broadcast"):
+            for path in ("/request_weight_update", "/init_process_group", "/probe_broadcast", "/bench/apply_floor"):
                 r = await http.post(path, json={})
                 assert r.status_code == 401, (path, r.text)
                 r = await http.post(path, json={}, headers={"Authorization": "Bearer nope"})

@@ -55,12 +55,14 @@ StandaloneAnchor = Callable[..., dict[str, Any]]
 class NativeUpdate:
     """One update done the engine's way. ``pause_s``: generation held (from the pause call's
     answer to the resume call's answer); ``wall_s``: the whole flow, first call to last answer;
-    ``send_s``: the trainer's broadcast of every bucket."""
+    ``send_s``: the trainer's broadcast of every bucket; ``stamps``: the flow's phases as the
+    trainer saw them (``time.time()``; ``request_sent`` is the first call)."""
 
     version: int
     wall_s: float
     pause_s: float
     send_s: float
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -162,19 +164,29 @@ class FlowSettings:
         """The flow vLLM-style RL routes document, timed: ``pause`` (keep), ``start``, then
         ``receive`` (the engine's blocking receive) while the trainer posts its ``go`` and
         broadcasts, ``finish`` (apply and version), ``resume``. The pause is measured from the
-        moment ``pause`` answered to the moment ``resume`` did."""
+        moment ``pause`` answered to the moment ``resume`` did. Stamps: ``request_sent`` (the
+        pause call), ``paused``, ``session_started``, ``decision_posted``, ``last_bucket_sent``,
+        ``received`` (the receive call answered), ``applied`` (finish answered), ``done``."""
+        stamps = {"request_sent": time.time()}
         t0 = time.perf_counter()
         await pause()
         paused = time.perf_counter()
+        stamps["paused"] = time.time()
         await start()
+        stamps["session_started"] = time.time()
         with target.go(version):
+            stamps["decision_posted"] = time.time()
             receiving = asyncio.create_task(receive())
             send_s = await asyncio.to_thread(target.broadcast, self.buffers)
+            stamps["last_bucket_sent"] = time.time()
             await receiving
+            stamps["received"] = time.time()
         await finish()
+        stamps["applied"] = time.time()
         await resume()
         done = time.perf_counter()
-        return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s)
+        stamps["done"] = time.time()
+        return NativeUpdate(version=version, wall_s=done - t0, pause_s=done - paused, send_s=send_s, stamps=stamps)
 
 
 @dataclass(frozen=True, slots=True)

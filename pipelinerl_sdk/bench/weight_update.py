@@ -13,6 +13,20 @@ once:
   two under the same conditions: this machine's loopback broadcast alone varies by up to 1.8x
   between minutes. Each mode reports the median of its own probes; the top level, of all probes.
 
+- ``engine_apply_floor_s``: the engine's own apply of the same tensors, no transfer
+  (``POST /bench/apply_floor``: ``InferenceBackend.apply_floor``, timed where the apply runs: in
+  vLLM's worker its layerwise reload of the last update's staged tensors; in the reference
+  server its ``DoubleBuffer`` swap): the floor for a pause, and with the flat broadcast, for an
+  update (``update_over_floor`` = update wall / (flat broadcast + apply floor),
+  ``pause_over_apply_floor``). One apply after each timed idle update (interleaved like the
+  probes); None, with ``engine_apply_floor_error``, where the backend does not offer it.
+
+Each mode also gives ``timeline_ms`` (one idle update, the one of median wall time) and
+``timeline_median_ms`` (per phase, the median over its idle updates): every phase the trainer
+and the server stamped, in ms since the trainer sent its request (``trainer.*`` and
+``server.*``: see :mod:`pipelinerl_sdk.bench.timeline`; one clock, ``time.time()``, both sides on
+this machine).
+
 Then, per receive mode (``staged``, ``direct``) and, when the backend registered one as its
 ``bench_anchor``, for the engine's own documented flow (``native``, the anchor:
 :mod:`pipelinerl_sdk.bench.anchor`): one warm-up update, ``updates`` timed updates
@@ -58,7 +72,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +81,9 @@ import torch
 from pipelinerl_sdk.bench.anchor import FlowTarget, NativeUpdateFlow, load_anchor
 from pipelinerl_sdk.bench.load import SUPPORTS_IGNORE_EOS, ChatLoad
 from pipelinerl_sdk.bench.model import bench_model
+from pipelinerl_sdk.bench.timeline import median_timeline, timeline, to_ms
 from pipelinerl_sdk.contracts import TrainerSpec
+from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.plugins import load_registry
@@ -84,14 +100,20 @@ MODES: tuple[ReceiveMode, ...] = ("staged", "direct")
 TARGETS: dict[str, float] = {
     "pause_over_memcpy": 1.5,
     "update_over_flat_broadcast": 1.25,
+    "update_over_floor": 1.2,
+    "pause_over_apply_floor": 1.1,
     "tokens_per_s_ratio_updating": 0.95,
 }
 #: The modes each target applies to (``direct`` pauses for the whole receive by design).
 TARGET_MODES: dict[str, tuple[ReceiveMode, ...]] = {
     "pause_over_memcpy": ("staged",),
     "update_over_flat_broadcast": MODES,
+    "update_over_floor": MODES,
+    "pause_over_apply_floor": ("staged",),
     "tokens_per_s_ratio_updating": MODES,
 }
+#: Targets bounded from below; the others from above.
+AT_LEAST = frozenset({"tokens_per_s_ratio_updating"})
 
 UPDATE_INTERVAL_S = 1.0
 MAX_TOKENS = 32
@@ -202,6 +224,7 @@ async def _bench(
         memcpy_s = _memcpy_seconds(model_bytes, memcpy_threads)  # nothing else runs yet: block the loop
         await publisher.probe(model_bytes)  # warm-up
         probes: list[tuple[float, dict[str, float]]] = []
+        floors = _Floors(client)
 
         async def probe() -> float:
             probes.append(await publisher.probe(model_bytes))
@@ -216,6 +239,7 @@ async def _bench(
             versions=versions,
             memcpy_s=memcpy_s,
             probe=probe,
+            floor=floors.sample,
             cpu=_CpuMeter([server.pid]),
         )
         modes: dict[str, Any] = {}
@@ -235,7 +259,7 @@ async def _bench(
 
             async def native(version: int) -> UpdateRecord:
                 done = await native_flow.update(target, version)
-                return UpdateRecord(done.wall_s, done.pause_s, done.send_s, None, None)
+                return UpdateRecord(done.wall_s, done.pause_s, done.send_s, None, None, timeline(done.stamps))
 
             modes["native"] = await bench_mode(native)
             modes["native"]["flow"] = flow.description
@@ -254,6 +278,7 @@ async def _bench(
             "flat_broadcast_s": statistics.median(send for send, _ in probes),
             "flat_broadcast_receive_s": statistics.median(max(by_url.values()) for _, by_url in probes),
             "flat_broadcast_s_samples": [send for send, _ in probes],
+            **floors.summary(),
             "modes": modes,
             "targets": {**TARGETS, "applies_to": {k: list(v) for k, v in TARGET_MODES.items()}},
             "config": {
@@ -303,13 +328,15 @@ def _ratio(a: float, b: float) -> float | None:
 class UpdateRecord:
     """One timed update, whichever way it was done. ``pause_s``: the fleet's pause (the longest
     any server held generation); ``receive_s``/``apply_s``: the servers' own figures (the slowest
-    server), None when the flow does not report them."""
+    server), None when the flow does not report them; ``timeline``: its phases, seconds since
+    the trainer's request (:func:`~pipelinerl_sdk.bench.timeline.timeline`)."""
 
     wall_s: float
     pause_s: float
     send_s: float
     receive_s: float | None
     apply_s: float | None
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 async def _publish(
@@ -330,6 +357,8 @@ def _record(result: PublishResult) -> UpdateRecord:
         send_s=result.send.seconds,
         receive_s=max(e.timings["receive_s"] for e in events),
         apply_s=max(e.timings["apply_s"] for e in events),
+        # the first server's side (the benchmark runs one)
+        timeline=timeline(result.stamps, next(iter(events), None)),
     )
 
 
@@ -340,6 +369,7 @@ def _summary(results: Sequence[UpdateRecord]) -> dict[str, Any]:
     pauses = [r.pause_s for r in results]
     receives = [r.receive_s for r in results if r.receive_s is not None]
     applies = [r.apply_s for r in results if r.apply_s is not None]
+    one = sorted(results, key=lambda r: r.wall_s)[(len(results) - 1) // 2]  # the (lower) median wall
     return {
         "count": len(results),
         "update_wall_s": statistics.median(walls),
@@ -349,6 +379,8 @@ def _summary(results: Sequence[UpdateRecord]) -> dict[str, Any]:
         "send_s": statistics.median(r.send_s for r in results),
         "update_wall_s_max": max(walls),
         "pause_s_max": max(pauses),
+        "timeline_ms": to_ms(one.timeline),
+        "timeline_median_ms": to_ms(median_timeline([r.timeline for r in results if r.timeline])),
     }
 
 
@@ -360,15 +392,19 @@ async def _bench_mode(
     budget: _Budget,
     memcpy_s: float,
     probe: Callable[[], Awaitable[float]],
+    floor: Callable[[], Awaitable[float | None]],
     cpu: _CpuMeter,
 ) -> dict[str, Any]:
     await publish(next(versions))  # warm-up
-    flats, records = [], []
+    flats, records, applies = [], [], []
     for _ in range(budget.updates):  # interleaved: each ratio compares like with like
         flats.append(await probe())
         records.append(await publish(next(versions)))
+        applies.append(await floor())  # the engine's apply of what it serves now
     idle = _summary(records)
     flat_broadcast_s = statistics.median(flats)
+    floors = [a for a in applies if a is not None]
+    apply_floor_s = statistics.median(floors) if floors else None
 
     loop = asyncio.get_running_loop()
     under_load: list[UpdateRecord] = []
@@ -398,6 +434,8 @@ async def _bench_mode(
         "update_over_flat_broadcast": idle["update_wall_s"] / flat_broadcast_s,
         "flat_broadcast_s": flat_broadcast_s,
         "flat_broadcast_s_samples": flats,
+        **floor_ratios(idle["update_wall_s"], idle["pause_s"], flat_broadcast_s, apply_floor_s),
+        "engine_apply_floor_s_samples": floors,
         "tokens_per_s_ratio_updating": ratio,
         "tokens_per_s_no_updates": baseline.tokens_per_s,
         "tokens_per_s_updating": updating.tokens_per_s,
@@ -462,11 +500,54 @@ class _CpuMeter:
         return max(0.0, foreign) / ((b[0] - a[0]) * (os.cpu_count() or 1))
 
 
-def _meets(mode: ReceiveMode, figures: dict[str, Any]) -> dict[str, bool]:
-    checks = {
-        "pause_over_memcpy": figures["pause_over_memcpy"] <= TARGETS["pause_over_memcpy"],
-        "update_over_flat_broadcast": figures["update_over_flat_broadcast"] <= TARGETS["update_over_flat_broadcast"],
-        "tokens_per_s_ratio_updating": figures["tokens_per_s_ratio_updating"] >= TARGETS["tokens_per_s_ratio_updating"],
+def floor_ratios(wall_s: float, pause_s: float, flat_broadcast_s: float, apply_floor_s: float | None) -> dict[str, Any]:
+    """The floor figures of one mode: ``engine_apply_floor_s``, ``update_over_floor`` = wall /
+    (flat broadcast + apply floor) and ``pause_over_apply_floor`` (None without a floor)."""
+    if apply_floor_s is None or apply_floor_s <= 0:
+        return {"engine_apply_floor_s": None, "update_over_floor": None, "pause_over_apply_floor": None}
+    return {
+        "engine_apply_floor_s": apply_floor_s,
+        "update_over_floor": wall_s / (flat_broadcast_s + apply_floor_s),
+        "pause_over_apply_floor": pause_s / apply_floor_s,
     }
-    met = {k: bool(v) for k, v in checks.items() if mode in TARGET_MODES[k]}
+
+
+def _meets(mode: ReceiveMode, figures: dict[str, Any]) -> dict[str, bool]:
+    """Each target of ``mode`` met or not (a figure the run could not measure, None, is left out)."""
+    met = {
+        k: bool(figures[k] >= bound if k in AT_LEAST else figures[k] <= bound)
+        for k, bound in TARGETS.items()
+        if mode in TARGET_MODES[k] and figures.get(k) is not None
+    }
     return {**met, "all": all(met.values())}
+
+
+class _Floors:
+    """The engine's apply floor (``POST /bench/apply_floor``), one apply per :meth:`sample`; a
+    backend that does not offer it (501) is asked once."""
+
+    def __init__(self, client: InferenceClient) -> None:
+        self.client = client
+        self.samples: list[float] = []
+        self.detail: str | None = None
+        self.error: str | None = None
+
+    async def sample(self) -> float | None:
+        if self.error is not None:
+            return None
+        try:
+            got = await self.client.apply_floor(1)
+        except ServerError as e:
+            self.error = str(e)
+            return None
+        self.detail = got.detail
+        self.samples.extend(got.seconds)
+        return got.seconds[0]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "engine_apply_floor_s": statistics.median(self.samples) if self.samples else None,
+            "engine_apply_floor_s_samples": self.samples,
+            "engine_apply_floor": self.detail,
+            **({"engine_apply_floor_error": self.error} if self.error else {}),
+        }

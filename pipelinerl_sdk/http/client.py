@@ -16,6 +16,8 @@ import httpx
 
 from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk.protocol import (
+    ApplyFloorRequest,
+    ApplyFloorResponse,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -234,6 +236,14 @@ class InferenceClient:
             timeout=req.timeout_s + 30,
         )
         return result
+
+    async def apply_floor(self, repeats: int = 3) -> ApplyFloorResponse:
+        """``POST /bench/apply_floor``: the engine's own apply of the served weights, timed with no
+        transfer (benchmarks only; ServerError 501 where the backend does not offer it)."""
+        body = ApplyFloorRequest(repeats=repeats).model_dump(mode="json")
+        return ApplyFloorResponse.model_validate(
+            await self._call("POST", "/bench/apply_floor", control=True, body=body, timeout=60.0 + 10.0 * repeats)
+        )
 
     async def chat(self, req: ChatCompletionRequest | Mapping[str, Any]) -> ChatCompletionResponse:
         body = req.model_dump(mode="json", exclude_none=True) if isinstance(req, ChatCompletionRequest) else dict(req)

@@ -11,6 +11,8 @@ a wrong one; every token is checked before the body is read):
   received); then ``200`` with an NDJSON stream: ``accepted`` once the receive is armed, then
   ``done`` or ``error``;
 - ``POST /probe_broadcast`` (control): one flat broadcast, for link checks and benchmarks;
+- ``POST /bench/apply_floor`` (control, benchmarks only): the engine's own apply of the served
+  weights, timed with no transfer (``InferenceBackend.apply_floor``; 501 where not offered);
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured; a missing or
   wrong key is 401, as OpenAI answers); ``stream=true`` chat is server-sent events
   (:class:`EventStream`) for a backend that declares ``streaming``, else a 400 naming ``stream``;
@@ -63,6 +65,8 @@ from pipelinerl_sdk.errors import (
 )
 from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost
 from pipelinerl_sdk.protocol import (
+    ApplyFloorRequest,
+    ApplyFloorResponse,
     ChatCompletionRequest,
     CompletionRequest,
     InitProcessGroupRequest,
@@ -283,6 +287,7 @@ def build_router(
         "/init_process_group": control,
         "/request_weight_update": control,
         "/probe_broadcast": control,
+        "/bench/apply_floor": control,
         "/v1/models": openai,
         "/v1/chat/completions": openai,
         "/v1/completions": openai,
@@ -354,12 +359,14 @@ def build_router(
 
     @router.post("/request_weight_update")
     async def request_weight_update(req: WeightUpdateRequest) -> StreamingResponse:
+        at = {"at_request": time.time()}  # the router's phases (protocol.SERVER_PHASES)
         slot.take(f"weight update to version {req.version}")
         try:
             backend.validate_update(req)
         except BaseException:
             slot.release()
             raise
+        at["at_validated"] = time.time()
         mode = req.mode or backend.default_mode
         loop = asyncio.get_running_loop()
         accepted = asyncio.Event()
@@ -379,6 +386,7 @@ def build_router(
             await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if accepted.is_set():
+                at["at_accepted"] = time.time()
                 yield _line(UpdateEvent(event="accepted", version=req.version, mode=mode))
             try:
                 report = await asyncio.shield(task)
@@ -394,9 +402,20 @@ def build_router(
                     )
                 )
                 return
-            yield _line(UpdateEvent(event="done", version=report.version, mode=report.mode, timings=report.timings()))
+            timings = {**report.timings(), **at, "at_done": time.time()}
+            yield _line(UpdateEvent(event="done", version=report.version, mode=report.mode, timings=timings))
 
         return StreamingResponse(events(), media_type="application/x-ndjson")
+
+    @router.post("/bench/apply_floor")
+    async def apply_floor(req: ApplyFloorRequest) -> ApplyFloorResponse:
+        slot.take("apply_floor")
+        try:
+            return await backend.apply_floor(req.repeats)
+        except NotImplementedError as e:
+            raise HTTPError(501, str(e), kind="not_implemented") from e
+        finally:
+            slot.release()
 
     @router.post("/probe_broadcast")
     async def probe_broadcast(req: ProbeBroadcastRequest) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from pipelinerl_sdk.kit.inference.structured import Grammars
 from pipelinerl_sdk.reference import capabilities
 from pipelinerl_sdk.reference.engine import ContinuousBatchingEngine, GenerationResult, SamplingParams
 from pipelinerl_sdk.reference.tiny import load_model
+from pipelinerl_sdk.weights.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.receive import WeightReceiver
 from pipelinerl_sdk.weights.swap import DoubleBuffer
@@ -66,6 +68,7 @@ class ReferenceInferenceBackend(KitBackend):
         #: A full update is received into the spare buffer and swapped in (no copy in the pause).
         self._weights = DoubleBuffer()
         self._receiver: WeightReceiver | None = None
+        self._bucket_bytes = DEFAULT_BUCKET_BYTES  # the last update's (the spare buffer's layout)
         #: Structured output: the grammars of this tokenizer over the model's logits.
         self._grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), sorted(self.engine.eos_token_ids))
 
@@ -104,11 +107,27 @@ class ReferenceInferenceBackend(KitBackend):
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
         self.book.version = self.engine.version  # the engine's is the truth (tests swap engines)
         assert self._receiver is not None  # validate_update checked the group
+        self._bucket_bytes = req.bucket_bytes
         return local_steps(self._receiver, self._weights, self._params, req, self.engine)
 
     def cancel_waiting_update(self, reason: str) -> bool:
         group = self.book.group
         return group is not None and group.cancel_decision_wait(reason)
+
+    async def apply_floor(self, repeats: int) -> wire.ApplyFloorResponse:
+        """The served params copied into the spare buffer (unpaused), then made live by the
+        same :meth:`DoubleBuffer.apply <pipelinerl_sdk.weights.swap.DoubleBuffer.apply>` as an
+        update's (a swap), the engine parked as for an update; each apply timed alone."""
+        plan = BucketPlan.build(self.specs, self._bucket_bytes)  # the last update's layout: no realloc
+        seconds, swapped = [], True
+        for _ in range(repeats):
+            staged = await asyncio.to_thread(self._weights.restage, self._params, plan)
+            async with self.engine.paused():
+                t0 = time.perf_counter()
+                swapped = self._weights.apply(staged, self._params).swapped and swapped
+                seconds.append(time.perf_counter() - t0)
+        how = "a swap (params re-pointed)" if swapped else "a copy"
+        return wire.ApplyFloorResponse(seconds=seconds, detail=f"DoubleBuffer.apply of the served weights: {how}")
 
     async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         self.require_group()

@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
@@ -81,13 +82,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+#: The trainer's phases of one update (:attr:`PublishResult.stamps`), in order.
+TRAINER_PHASES: tuple[str, ...] = (
+    "request_sent",  # the requests are handed to the clients
+    "accepted",  # every server's ``accepted`` line is in
+    "decision_posted",  # ``go`` is in the store
+    "first_bucket_sent",  # the first bucket's broadcast was issued
+    "last_bucket_sent",  # the last broadcast completed on the sender
+    "done",  # every server's ``done`` line is in
+)
+
+
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     version: int
     send: SendStats
-    #: Per server URL, its ``done`` event (timings: pause_s, receive_s, apply_s, total_s).
+    #: Per server URL, its ``done`` event (timings: pause_s, receive_s, apply_s, total_s, and the
+    #: server's phases as ``at_*`` stamps where it records them).
     events: dict[str, UpdateEvent]
     wall_s: float
+    #: The trainer's phases (:data:`TRAINER_PHASES`): ``time.time()`` stamps, the clock a server
+    #: on the same machine stamps its own with.
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 class WeightPublisher:
@@ -190,8 +206,10 @@ class WeightPublisher:
         )
         key = update_key(version)
         group.clear_decision(key)  # a stale decision for this version (an earlier, failed try) must not be read
+        stamps = {"request_sent": time.time()}
         calls = [c.request_weight_update(req) for c in self.clients]
         accepted = await self._bounded(calls, "accepted")
+        stamps["accepted"] = time.time()
         refused = [r for r in accepted if isinstance(r, BaseException)]
         if refused:
             group.post_decision(key, go=False, reason="; ".join(str(r) for r in refused))
@@ -201,6 +219,7 @@ class WeightPublisher:
                 [_as_server_error(r, c) for r, c in zip(accepted, calls, strict=True) if isinstance(r, BaseException)]
             )
         group.post_decision(key, go=True)
+        stamps["decision_posted"] = time.time()
         sender = WeightSender(group, plan, self._buffers)
         try:
             yield sender
@@ -220,14 +239,18 @@ class WeightPublisher:
         finally:
             group.clear_decision(key)
         finals = await self._bounded(calls, "final")
+        stamps["done"] = time.time()
         failures = [_as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)]
         if failures:
             raise FanOutError(failures)
+        if stats.first_bucket_at is not None and stats.last_bucket_at is not None:
+            stamps["first_bucket_sent"], stamps["last_bucket_sent"] = stats.first_bucket_at, stats.last_bucket_at
         self.last = PublishResult(
             version,
             stats,
             {c.url: r for c, r in zip(calls, finals, strict=True) if isinstance(r, UpdateEvent)},
             loop.time() - t0,
+            dict(sorted(stamps.items(), key=lambda kv: kv[1])),
         )
 
     async def _bounded(self, calls: Sequence[PendingUpdate], what: str) -> list[UpdateEvent | BaseException]:

@@ -40,6 +40,10 @@ class SendStats:
     seconds: float
     #: Buckets broadcast straight from lent tensors' storage (no packing copy).
     in_place_buckets: int = 0
+    #: ``time.time()`` when the first bucket's broadcast was issued (None: no bucket), and when
+    #: the last broadcast had completed (``finish``).
+    first_bucket_at: float | None = None
+    last_bucket_at: float | None = None
 
 
 class WeightSender:
@@ -70,6 +74,7 @@ class WeightSender:
         self._started = time.perf_counter()
         self._sent = 0
         self._in_place_count = 0
+        self._first_at: float | None = None
 
     @property
     def buffers(self) -> list[torch.Tensor] | None:
@@ -110,7 +115,10 @@ class WeightSender:
             raise SendOrderError(f"update incomplete: next expected param is {self.expected!r}")
         self._drain(0)
         self._drain(1)
-        return SendStats(self._sent, len(self._plan.buckets), time.perf_counter() - self._started, self._in_place_count)
+        seconds = time.perf_counter() - self._started
+        return SendStats(
+            self._sent, len(self._plan.buckets), seconds, self._in_place_count, self._first_at, time.time()
+        )
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -161,6 +169,8 @@ class WeightSender:
             self._pack_lent(bucket)
             payload = self._buffer(bucket)[: bucket.nbytes]
         self._lent = []
+        if self._first_at is None:
+            self._first_at = time.time()
         self._pending[slot] = self._group.broadcast_async(payload, 0)
         self._sent += bucket.nbytes
 

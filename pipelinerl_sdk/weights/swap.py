@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.receive import StagedWeights, apply_staged
 
 
@@ -64,6 +65,18 @@ class DoubleBuffer:
                 return False
             covered += 1
         return covered == len(params)
+
+    @torch.no_grad()
+    def restage(self, params: Mapping[str, torch.Tensor], plan: BucketPlan) -> StagedWeights:
+        """The live ``params`` copied into the spare buffer in ``plan``'s layout (``plan``: of
+        exactly these params): a full update holding the weights served now, so that
+        :meth:`apply` can be timed changing nothing. Reads the live params only: generation may
+        go on meanwhile."""
+        device = next(iter(params.values())).device
+        staged = StagedWeights(plan, self.spare(plan.total_bytes, device), 0.0)
+        for name, view in staged.tensors():
+            view.copy_(params[name])
+        return staged
 
     @torch.no_grad()
     def apply(self, staged: StagedWeights, params: Mapping[str, torch.Tensor]) -> Applied:

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from pipelinerl_sdk import protocol as wire
 from pipelinerl_sdk.contracts import ServeConfig
-from pipelinerl_sdk.errors import GroupError, InvalidRequest, PluginError
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PipelineRLError, PluginError, UpdateRejected
 from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
     ChatPlan,
@@ -48,13 +48,18 @@ from pipelinerl_sdk.kit.inference.completion import assemble_completion, complet
 from pipelinerl_sdk.kit.inference.procs import idle_descendants
 from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.kit.inference.structured import StructuredOutput
-from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, wait_jobs
+from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, settled, wait_jobs
 from pipelinerl_sdk_vllm.plugin import CARD
+from pipelinerl_sdk_vllm.status_push import StatusInbox
 
 log = logging.getLogger("pipelinerl_sdk_vllm")
 
 #: Seconds between two polls of the workers' receive status (a cheap RPC between engine steps).
 POLL_S = 0.01
+#: The same once the workers' pushes (:mod:`.status_push`) were seen to arrive: polling is then
+#: only the fallback, and each poll costs the engine core and the worker (busy-waiting for each
+#: other's answer) CPU that the receive shares.
+PUSHED_POLL_S = 0.1
 
 
 @dataclass
@@ -79,6 +84,8 @@ class VLLMInferenceBackend(KitBackend):
         self._engine: Any = None
         self._cpu = True
         self._deciding: _Deciding | None = None
+        #: Where the workers push their receive status (:mod:`.status_push`); set by ``serve``.
+        self._inbox: StatusInbox | None = None
         if self.opts.get("engine_policy", "idle") not in ("idle", "normal"):
             raise ValueError(f"option engine_policy: 'idle' or 'normal', not {self.opts['engine_policy']!r}")
 
@@ -147,12 +154,18 @@ class VLLMInferenceBackend(KitBackend):
         return self.book.join(req, self.workers)
 
     async def _wait_jobs(
-        self, key: str, deadline: float, *, received: bool, deciding: _Deciding | None = None
+        self,
+        key: str,
+        deadline: float,
+        *,
+        received: bool,
+        deciding: _Deciding | None = None,
+        seen: list[dict[str, Any]] | None = None,
     ) -> float:
         """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over this engine's workers; with
         ``deciding``, once it is to be cancelled, the workers' decision waits are ended first
         (each worker's job then fails, aborted, naming why; one that already had the trainer's
-        ``go`` goes on receiving)."""
+        ``go`` goes on receiving). ``seen`` is replaced by the last statuses read."""
 
         async def statuses() -> list[dict[str, Any]]:
             if deciding is not None and deciding.cancel is not None and not deciding.sent:
@@ -160,9 +173,31 @@ class VLLMInferenceBackend(KitBackend):
                 why = deciding.cancel
                 ended = await self._engine.collective_rpc("pipelinerl_cancel_decision", args=(key, why))
                 log.info("%s: decision wait ended in %d of %d worker(s): %s", key, sum(ended), len(ended), why)
-            return list(await self._engine.collective_rpc("pipelinerl_status"))
+            read = self._pushed(key, received) or list(await self._engine.collective_rpc("pipelinerl_status"))
+            if seen is not None:
+                seen[:] = read
+            return read
 
-        return await wait_jobs(statuses, key, deadline, received=received, poll_s=POLL_S)
+        inbox = self._inbox
+        if inbox is None:
+            return await wait_jobs(statuses, key, deadline, received=received, poll_s=POLL_S)
+        poll_s = PUSHED_POLL_S if inbox.reached else POLL_S
+        return await wait_jobs(statuses, key, deadline, received=received, poll_s=poll_s, nap=inbox.wait)
+
+    def _pushed(self, key: str, received: bool) -> list[dict[str, Any]] | None:
+        """The workers' pushed statuses (:mod:`.status_push`) when every worker's is about job
+        ``key`` and it has settled there (or failed); else None (then poll)."""
+        inbox = self._inbox
+        if inbox is None:
+            return None
+        inbox.mark_read()
+        pushed = inbox.statuses(self.workers)
+        if pushed is None or any((s.get("job") or {}).get("key") != key for s in pushed):
+            return None
+        try:
+            return pushed if settled(pushed, key, received=received) is not None else None
+        except PipelineRLError:
+            return pushed  # wait_jobs raises it from these
 
     def cancel_waiting_update(self, reason: str) -> bool:
         """An update armed and not yet past its trainer's decision ends: its next poll asks the
@@ -175,13 +210,13 @@ class VLLMInferenceBackend(KitBackend):
         return True
 
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         engine, key = self._engine, wire.update_key(req.version)
         info = receive_info(req.version, req.params, req.bucket_bytes, req.timeout_s)
         deadline = receive_deadline(req.timeout_s, self.require_group().timeout_s)
         session: list[bool] = []
         deciding = _Deciding(key)
+        statuses: list[dict[str, Any]] = []  # the workers' last status (their receive's stamps)
+        applied: list[dict[str, float]] = []  # each worker's apply stamps
 
         def decided() -> None:
             if self._deciding is deciding:
@@ -189,9 +224,11 @@ class VLLMInferenceBackend(KitBackend):
 
         async def arm() -> None:
             self._deciding = deciding
-            await engine.start_weight_update()
-            session.append(True)
-            await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            if self._inbox is not None:
+                self._inbox.clear()  # what is pushed from now on is about this receive
+            session.append(True)  # (a failed arm leaves it closed: abandon's finish then only logs)
+            # vLLM's start_weight_update and update_weights, in one round trip
+            await engine.collective_rpc("pipelinerl_arm", args=(info,))
 
         async def await_go() -> None:
             try:
@@ -200,11 +237,14 @@ class VLLMInferenceBackend(KitBackend):
                 decided()
 
         async def receive() -> float:
-            return await self._wait_jobs(key, deadline, received=True)
+            return await self._wait_jobs(key, deadline, received=True, seen=statuses)
 
         async def apply() -> None:
-            await engine.finish_weight_update(str(req.version))
+            # vLLM's finish_weight_update(version): the workers' finish (ours returns its
+            # stamps), then the engine's version
+            applied[:] = await engine.collective_rpc("pipelinerl_finish")
             session.clear()
+            await engine.update_weight_version(str(req.version))
 
         async def abandon() -> None:
             decided()
@@ -215,15 +255,46 @@ class VLLMInferenceBackend(KitBackend):
                 except Exception as e:  # the session is closed even when finish raises
                     log.warning("closing the weight-update session failed: %s", e)
 
-        return UpdateSteps(await_go, receive, apply, self._paused, arm=arm, abandon=abandon)
+        def stamps() -> dict[str, float]:
+            """The workers' own stamps: the first bucket in on the first worker, the rest on the
+            slowest."""
+            jobs = [s.get("job") or {} for s in statuses]
+            seen = [j.get("stamps") or {} for j in jobs] + applied
+            out = {k: max(d[k] for d in seen if k in d) for k in {k for d in seen for k in d}}
+            firsts = [d["worker_first_bucket"] for d in seen if "worker_first_bucket" in d]
+            if firsts:
+                out["worker_first_bucket"] = min(firsts)
+            return out
+
+        return UpdateSteps(await_go, receive, apply, self._paused, arm=arm, abandon=abandon, stamps=stamps)
 
     @asynccontextmanager
     async def _paused(self) -> AsyncIterator[None]:
-        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        """Generation held (mode ``keep``, KV kept) for the block. What vLLM 0.32's
+        ``AsyncLLM.pause_generation(mode="keep", clear_cache=False)`` does, less its closing
+        ``asyncio.sleep(0.02)`` (there, per its comment, only so that outputs already produced
+        reach their callers first, "not required for correctness"): that sleep was 20 ms of every
+        update's pause, inside the hold and outside the apply."""
+        await self._engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         try:
             yield
         finally:
             await self._engine.resume_generation()
+
+    async def apply_floor(self, repeats: int) -> wire.ApplyFloorResponse:
+        """Every worker re-applies its last applied update ``repeats`` times through the same
+        layerwise reload as an update's apply (``pipelinerl_apply_floor``), generation held as
+        for an apply; per repeat, the slowest worker's seconds (timed in the worker)."""
+        async with self._paused():
+            results = await self._engine.collective_rpc("pipelinerl_apply_floor", args=(repeats,))
+        errors = [r["error"] for r in results if isinstance(r, dict)]
+        if errors:
+            raise UpdateRejected(f"apply floor: {errors[0]}", status=422)
+        return wire.ApplyFloorResponse(
+            seconds=[max(float(r[i]) for r in results) for i in range(repeats)],
+            detail="vLLM layerwise reload in the worker: initialize_layerwise_reload, model.load_weights(staged), "
+            "finalize_layerwise_reload",
+        )
 
     async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -231,6 +302,8 @@ class VLLMInferenceBackend(KitBackend):
         self.require_group()
         engine = self._engine
         info = {"op": "probe", "nbytes": req.nbytes, "probe_id": req.probe_id, "timeout_s": req.timeout_s}
+        if self._inbox is not None:
+            self._inbox.clear()
         await engine.start_weight_update()
         try:
             await engine.update_weights(WeightTransferUpdateRequest(update_info=info))

@@ -48,9 +48,11 @@ async def wait_jobs(
     received: bool,
     poll_s: float,
     engine: str = "vLLM",
+    nap: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> float:
     """Poll ``statuses()`` (every worker's) until the job ``key`` has the trainer's ``go`` on all
-    (or, with ``received``, holds every byte); returns the slowest receive time. Raises what
+    (or, with ``received``, holds every byte); returns the slowest receive time. Between two
+    polls, ``nap(poll_s)`` (one that returns early, on news, shortens the wait). Raises what
     :func:`settled` raises, and GroupError once ``deadline`` (monotonic) passed."""
     while True:
         waited = settled(await statuses(), key, received=received, engine=engine)
@@ -58,7 +60,7 @@ async def wait_jobs(
             return waited
         if time.monotonic() > deadline:
             raise GroupError(f"receive of {key} did not finish in time")
-        await asyncio.sleep(poll_s)
+        await nap(poll_s)
 
 
 def settled(statuses: Sequence[dict[str, Any]], key: str, *, received: bool, engine: str = "vLLM") -> float | None:

@@ -121,9 +121,12 @@ def parse_vllm_args(argv: list[str]) -> Any:
 def run(backend: VLLMInferenceBackend, config: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT; writes ``config.ready_file`` once the server answers."""
     from pipelinerl_sdk.http.server import bind_socket
+    from pipelinerl_sdk_vllm.status_push import ENV, StatusInbox
 
     backend._cpu = prepare_environment(config)
     sock = bind_socket(config.host, config.port)  # OSError naming the address if taken
+    backend._inbox = inbox = StatusInbox()
+    os.environ[ENV] = inbox.path  # before vLLM starts its processes: they inherit it
     port = sock.getsockname()[1]
 
     def interrupt(*_: object) -> None:  # until uvicorn installs its own handlers
@@ -144,6 +147,7 @@ def run(backend: VLLMInferenceBackend, config: ServeConfig) -> None:
         pass
     finally:
         sock.close()
+        inbox.close()
 
 
 async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, sock: socket.socket, port: int) -> None:
@@ -155,6 +159,8 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
 
     from pipelinerl_sdk.kit.inference.serve import EXIT_MARGIN_S, KEEP_ALIVE_S, exit_after, install_contract
 
+    if backend._inbox is not None:
+        backend._inbox.attach(asyncio.get_running_loop())
     async with build_async_engine_client(args) as engine:
         backend._engine = engine
         await backend.start()

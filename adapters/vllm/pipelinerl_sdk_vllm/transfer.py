@@ -44,6 +44,7 @@ from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, probe_ke
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.receive import NonFiniteWeights, StagedWeights, WeightReceiver
+from pipelinerl_sdk_vllm.status_push import push
 
 logger = init_logger(__name__)
 
@@ -96,6 +97,9 @@ class _Job:
     started: float = field(default_factory=time.perf_counter)
     #: Set when its session was closed before it received (why): it must not enter a broadcast.
     called_off: str | None = None
+    #: ``time.time()`` of what the receive thread saw: ``worker_go`` (the trainer's decision),
+    #: ``worker_first_bucket``, ``worker_last_bucket``.
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, PipelineRLUpdateInfo]):
@@ -111,6 +115,12 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         #: Jobs dropped (session closed) whose thread had not ended yet.
         self.dropped: list[_Job] = []
         self.last_apply_s = 0.0
+        #: ``worker_apply_start``/``worker_apply_end`` (``time.time()``) of the last apply.
+        self.last_apply: dict[str, float] = {}
+        #: The staged update whose bytes the model serves now (the last one applied), while its
+        #: buffer still holds them: what :meth:`apply_floor` re-applies. Cleared as soon as any
+        #: receive (an update's or a probe's) may write into the staging buffer.
+        self.applied: StagedWeights | None = None
         self._lock = threading.Lock()
 
     # --- phase 1: the group -----------------------------------------------------------------------
@@ -152,6 +162,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             raise RuntimeError(f"pipelinerl weight transfer: a receive is running ({self.job.key})")
         self._reap_dropped()
         receiver = self.receiver
+        self.applied = None  # the staging buffer is about to be written
         if op == "receive":
             specs = [ParamSpec(name=n, dtype=d, shape=tuple(s)) for n, d, s in update_info.params]
             plan = BucketPlan.build(specs, update_info.bucket_bytes)
@@ -162,10 +173,15 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 receiver.await_go(job.key, update_info.timeout_s)
                 if job.called_off is not None:  # a go meant for a later arm of the same version
                     raise UpdateAborted(f"{job.key}: called off before the trainer's go: {job.called_off}")
+                job.stamps["worker_go"] = time.time()
                 job.state = "receiving"
-                staged = receiver.receive_decided(plan)
+                push(self.status())
+                staged = receiver.receive_decided(
+                    plan, on_first_bucket=lambda: job.stamps.__setitem__("worker_first_bucket", time.time())
+                )
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+                job.stamps["worker_last_bucket"] = time.time()
                 job.staged, job.receive_s = staged, staged.receive_s
 
         elif op == "probe":
@@ -187,6 +203,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 job.error, job.aborted, job.state = str(e), True, "failed"
             except BaseException as e:
                 job.error, job.state = f"{type(e).__name__}: {e}", "failed"
+            push(self.status())  # the server need not wait for its next poll
 
         self.job = job
         if update_info.blocking:
@@ -208,18 +225,41 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             if job is not None:
                 self._call_off(job, "its weight-update session was closed")
             return
+        staged, job.staged, self.job = job.staged, None, None  # applied at most once, even on error
+        started = time.time()
+        self.last_apply_s = self._apply(staged)
+        self.last_apply = {"worker_apply_start": started, "worker_apply_end": time.time()}
+        self.applied = staged
+
+    def _apply(self, staged: StagedWeights) -> float:
+        """Load ``staged`` into the model through vLLM's layerwise reload; returns its seconds."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
         t0 = time.perf_counter()
-        staged, job.staged, self.job = job.staged, None, None  # applied at most once, even on error
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
             cast(Any, self.model).load_weights(staged.tensors())  # vLLM models define load_weights
             finalize_layerwise_reload(self.model, self.model_config)
-        self.last_apply_s = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def apply_floor(self, repeats: int) -> list[float]:
+        """The engine's apply alone: re-apply the last applied update (its staged bytes, still
+        intact: the weights served now) ``repeats`` times through the same code as
+        :meth:`finish_weight_update` (:meth:`_apply`), with no transfer; returns each apply's
+        seconds. The served weights are unchanged (the same bytes loaded again). RuntimeError
+        when no update was applied since the staging buffer was last written, or one is being
+        received. The caller holds generation, as for an update's apply."""
+        job, staged = self.job, self.applied
+        if job is not None and job.state in ("deciding", "receiving"):
+            raise RuntimeError(f"pipelinerl weight transfer: a receive is running ({job.key})")
+        if staged is None:
+            raise RuntimeError("pipelinerl weight transfer: no applied update to re-apply (apply one first)")
+        return [self._apply(staged) for _ in range(repeats)]
 
     # --- status and shutdown ----------------------------------------------------------------------
 
@@ -237,6 +277,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 "error": job.error,
                 "aborted": job.aborted,
                 "receive_s": job.receive_s,
+                "stamps": dict(job.stamps),
             },
             "last_apply_s": self.last_apply_s,
         }
@@ -316,3 +357,33 @@ class PipelineRLWorkerExtension:
         """:meth:`PipelineRLWeightTransferEngine.cancel_decision` of this worker's engine."""
         engine = getattr(self, "weight_transfer_engine", None)
         return isinstance(engine, PipelineRLWeightTransferEngine) and engine.cancel_decision(key, reason)
+
+    def pipelinerl_arm(self, update_info: dict[str, Any]) -> None:
+        """vLLM's own ``start_weight_update`` then ``update_weights(update_info)`` of this worker,
+        in one RPC (the engine's start prepares nothing; the receive is armed and returns at
+        once): one round trip from the API server instead of two."""
+        worker = cast(Any, self)  # the vLLM worker (this class is mixed in)
+        worker.start_weight_update()
+        worker.update_weights(update_info)
+
+    def pipelinerl_finish(self) -> dict[str, float]:
+        """vLLM's own ``finish_weight_update`` of this worker (the apply, then the session
+        closed), returning the apply's stamps (``worker_apply_start``/``worker_apply_end``) so the
+        server learns them without another round trip."""
+        cast(Any, self).finish_weight_update()  # the vLLM worker's method (this class is mixed in)
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(engine.last_apply) if isinstance(engine, PipelineRLWeightTransferEngine) else {}
+
+    def pipelinerl_apply_floor(self, repeats: int) -> list[float] | dict[str, str]:
+        """:meth:`PipelineRLWeightTransferEngine.apply_floor` of this worker's engine (with vLLM's
+        config current, as its own weight-update calls have it), or ``{"error": ...}``."""
+        from vllm.config import set_current_vllm_config
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, PipelineRLWeightTransferEngine):
+            return {"error": "the pipelinerl weight-transfer engine is not configured"}
+        try:
+            with set_current_vllm_config(cast(Any, self).vllm_config):
+                return engine.apply_floor(repeats)
+        except RuntimeError as e:
+            return {"error": str(e)}

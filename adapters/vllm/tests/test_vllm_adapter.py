@@ -613,6 +613,71 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
         trainer.close()
 
 
+# --- the engine's apply floor and the timeline of one update (issue 18) ------------------------------
+
+
+def _served(resp: ChatCompletionResponse) -> list[float]:
+    content = resp.choices[0].logprobs.content if resp.choices[0].logprobs else []
+    return [x for x in resp.prompt_token_logprobs() if x is not None] + [t.logprob for t in content]
+
+
+@requires_vllm
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_apply_floor_and_the_timeline_of_one_update(vllm_server: ServerProcess, tiny_model: Path, mode: str) -> None:
+    """One update's ``done`` event carries the server's phases with the worker's own, in order
+    and after the trainer's request; the apply floor re-applies the served weights in the worker
+    (positive seconds; every logprob and token bit-identical after it); a probe, which writes the
+    staging buffer, leaves nothing to re-apply (422) until the next update."""
+    from pipelinerl_sdk.bench.timeline import ORIGIN, timeline
+    from pipelinerl_sdk.errors import ServerError
+    from pipelinerl_sdk.protocol import SERVER_PHASES
+
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model)))
+
+    async def body() -> None:
+        async with InferenceClient(vllm_server.url, control_token=vllm_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, mode=mode)  # type: ignore[arg-type]
+            await pub.connect()
+            version = (await client.info()).version + 1
+            async with pub.update(version, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            assert pub.last is not None
+            tl = timeline(pub.last.stamps, next(iter(pub.last.events.values())))
+            assert tl[ORIGIN] == 0 and all(v >= 0 for v in tl.values()), tl
+            phases = [p for p in SERVER_PHASES if p != "first_bucket"]  # (it stamps worker_first_bucket)
+            if mode == "direct":  # held from the trainer's go on
+                phases.remove("last_bucket")
+                phases.insert(phases.index("apply_start"), "last_bucket")
+            server = [tl[f"server.{p}"] for p in phases]
+            assert server == sorted(server), tl
+            order = ["server.worker_last_bucket", "server.last_bucket", "server.apply_start"]
+            order += ["server.worker_apply_start", "server.worker_apply_end", "server.apply_end"]
+            assert [tl[k] for k in order] == sorted(tl[k] for k in order), tl
+            assert tl["server.worker_go"] <= tl["server.worker_first_bucket"] <= tl["server.worker_last_bucket"]
+            assert tl["trainer.decision_posted"] <= tl["server.worker_go"] and tl["server.done"] <= tl["trainer.done"]
+
+            before = await _scored(client)
+            floor = await client.apply_floor(3)
+            assert len(floor.seconds) == 3 and all(s > 0 for s in floor.seconds) and "load_weights" in floor.detail
+            after = await _scored(client)
+            assert after.choices[0].token_ids == before.choices[0].token_ids
+            assert _served(after) == _served(before)  # bit-identical
+            assert set(after.choices[0].weight_versions) == {version}
+
+            await pub.probe(sum(p.nbytes for p in trainer.param_specs()))  # the staging buffer rewritten
+            with pytest.raises(ServerError) as refused:
+                await client.apply_floor(1)
+            assert refused.value.status == 422 and "no applied update" in str(refused.value)
+            assert _served(await _scored(client)) == _served(before)
+            await pub.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
 # --- staged receive keeps vLLM generating -----------------------------------------------------------
 
 

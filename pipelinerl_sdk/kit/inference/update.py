@@ -60,7 +60,11 @@ class UpdateSteps:
     - ``first_bytes`` (optional): returns once the receive's first bytes arrived. Given, a
       ``direct`` update starts ``receive`` unpaused and holds generation from then on, so the
       receive must write nothing live before it returns (it receives into a buffer of its own);
-      None: ``direct`` holds generation from the trainer's ``go``."""
+      None: ``direct`` holds generation from the trainer's ``go``;
+    - ``stamps`` (optional, no I/O: it runs before the ``done`` line): called once after a
+      successful update, the phases the engine itself observed (``time.time()`` by phase name,
+      e.g. ``first_bucket`` or a worker's ``worker_last_bucket``), merged into the report's
+      stamps over the kit's own."""
 
     await_go: Callable[[], Awaitable[None]]
     receive: Callable[[], Awaitable[float]]
@@ -69,6 +73,7 @@ class UpdateSteps:
     arm: Callable[[], Awaitable[None]] = _nothing
     abandon: Callable[[], Awaitable[None]] = _nothing
     first_bytes: Callable[[], Awaitable[None]] | None = None
+    stamps: Callable[[], Mapping[str, float]] | None = None
 
 
 def normalise_update_error(e: BaseException, book: GroupBook) -> BaseException:
@@ -84,10 +89,17 @@ def normalise_update_error(e: BaseException, book: GroupBook) -> BaseException:
 async def run_update(
     book: GroupBook, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None], steps: UpdateSteps
 ) -> UpdateReport:
-    """Run one update (see the module doc); on success ``book.version`` is ``req.version``."""
+    """Run one update (see the module doc); on success ``book.version`` is ``req.version``.
+    The report's stamps (``time.time()``): ``armed``, ``decision``, ``last_bucket`` (the receive
+    step returned), ``pause_request`` (the hold asked for), ``pause_start`` (held), ``apply_start``,
+    ``apply_end``, ``pause_end``, then the engine's own (``steps.stamps``)."""
     t0 = time.perf_counter()
     abandoned = False
     pause_s = receive_s = apply_s = 0.0
+    stamps: dict[str, float] = {}
+
+    def stamp(phase: str) -> None:
+        stamps[phase] = time.time()
 
     async def abandon() -> None:
         nonlocal abandoned
@@ -96,25 +108,31 @@ async def run_update(
             await steps.abandon()
 
     async def hold(body: Callable[[], Awaitable[None]]) -> float:
+        stamp("pause_request")
         async with steps.paused() as handle:
             entered = time.perf_counter()
+            stamp("pause_start")
             try:
                 await body()
             except BaseException:
                 await abandon()  # while still paused: nothing half-done is ever served
                 raise
+        stamp("pause_end")
         held = getattr(handle, "held_s", None)
         return float(held) if held is not None else time.perf_counter() - entered
 
     async def receive() -> None:
         nonlocal receive_s
         receive_s = await steps.receive()
+        stamp("last_bucket")
 
     async def apply() -> None:
         nonlocal apply_s
+        stamp("apply_start")
         t_apply = time.perf_counter()
         await steps.apply()
         apply_s = time.perf_counter() - t_apply
+        stamp("apply_end")
 
     async def receive_and_apply() -> None:
         await receive()
@@ -138,8 +156,10 @@ async def run_update(
 
     try:
         await steps.arm()
+        stamp("armed")
         on_accepted()
         await steps.await_go()
+        stamp("decision")
         if mode == "direct" and steps.first_bytes is not None:
             pause_s = await direct_once_bytes_flow(steps.first_bytes)
         elif mode == "direct":
@@ -154,7 +174,10 @@ async def run_update(
             raise
         raise err from e
     book.version = req.version
-    return UpdateReport(req.version, mode, pause_s, receive_s, apply_s, time.perf_counter() - t0)
+    total_s = time.perf_counter() - t0
+    if steps.stamps is not None:
+        stamps.update(steps.stamps())
+    return UpdateReport(req.version, mode, pause_s, receive_s, apply_s, total_s, stamps)
 
 
 class Gate(Protocol):
@@ -184,6 +207,7 @@ def local_steps(
     into = weights.spare(plan.total_bytes, receiver.group.device)
     staged: list[StagedWeights] = []
     flowing: list[asyncio.Future[None]] = []  # done once the first bucket arrived
+    seen: dict[str, float] = {}  # the receive thread's stamps
 
     def first_bucket() -> asyncio.Future[None]:
         if not flowing:
@@ -201,6 +225,7 @@ def local_steps(
         loop = arrived.get_loop()
 
         def on_first_bucket() -> None:
+            seen["first_bucket"] = time.time()
             loop.call_soon_threadsafe(_settle, arrived)
 
         received = await asyncio.to_thread(receiver.receive_decided, plan, into=into, on_first_bucket=on_first_bucket)
@@ -215,5 +240,11 @@ def local_steps(
         gate.set_version(req.version)
 
     return UpdateSteps(
-        await_go=await_go, receive=receive, apply=apply, paused=gate.paused, arm=arm, first_bytes=first_bytes
+        await_go=await_go,
+        receive=receive,
+        apply=apply,
+        paused=gate.paused,
+        arm=arm,
+        first_bytes=first_bytes,
+        stamps=lambda: seen,
     )
