@@ -7,7 +7,8 @@ server only over the control-token-guarded ``/init_process_group``. From it deri
 - the **group id** (:func:`group_id`), which every ``/request_weight_update`` must name: an update
   meant for another group (a replaced trainer's) is refused at once;
 - the **store namespace** (:func:`store_name`): every key of the group (rendezvous and decisions)
-  lives under a name nobody can guess before the group exists;
+  lives under a name nobody can guess before the group exists (the store lists its keys to anyone
+  once they exist, so the rendezvous values are signed as well: :mod:`.signed_store`);
 - the **signature** of every decision (:func:`sign_decision`): a receiver acts only on a ``go`` or
   ``abort`` signed with the secret; anything else in the decision's key is ignored (and logged).
 
