@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_server_integration import publish
 
 from pipelinerl_sdk.bench.timeline import ORIGIN, median_timeline, timeline, to_ms
 from pipelinerl_sdk.bench.weight_update import TARGETS, _meets, floor_ratios
@@ -58,9 +59,7 @@ def test_one_updates_phases_are_ordered_on_both_sides(server: Any, trainer: Refe
         async with InferenceClient(server.url, control_token=server.control_token) as client:
             pub = WeightPublisher([client], bucket_bytes=64 << 10, mode=mode)  # type: ignore[arg-type]
             await pub.connect()
-            version = (await client.info()).version + 1
-            async with pub.update(version, trainer.param_specs()) as sink:
-                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            await publish(pub, trainer, (await client.info()).version + 1)
             assert pub.last is not None
             event = next(iter(pub.last.events.values()))
             tl = timeline(pub.last.stamps, event)
@@ -105,8 +104,7 @@ def test_apply_floor_is_timed_and_changes_nothing_served(server: Any, trainer: R
             ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(3)).tolist()
             trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), CompletionNLL(2))
             trainer.step()
-            async with pub.update(version + 1, trainer.param_specs()) as sink:
-                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            await publish(pub, trainer, version + 1)
             resp = await client.chat(
                 {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": True, "return_token_ids": True}
             )
