@@ -465,9 +465,26 @@ class Objective(Protocol):
 @runtime_checkable
 class WeightSink(Protocol):
     """Where ``gather_and_broadcast`` puts full tensors, on trainer rank 0 only: one call per
-    param, in ``param_specs()`` order. The sink copies what it keeps before returning."""
+    param, in ``param_specs()`` order. The sink copies what it keeps before returning.
+
+    A sink may also offer ``slot(name) -> torch.Tensor`` (the SDK's
+    :class:`~pipelinerl_sdk.weights.send.WeightSender` does): a writable tensor of the next param's
+    dtype and shape lying where the sink reads it from. A trainer that makes each full tensor
+    itself (a gather's copy-out) writes it there and then hands that same tensor to ``send``,
+    which copies nothing. See :func:`slot_of`."""
 
     def send(self, name: str, tensor: torch.Tensor) -> None: ...
+
+
+#: Where a trainer writes the full tensor of param ``name`` (the next one it hands over), or None
+#: (anywhere: the sink copies it). :func:`slot_of` makes one from a sink.
+Into = Callable[[str], "torch.Tensor | None"]
+
+
+def slot_of(sink: WeightSink | None) -> Into | None:
+    """The sink's ``slot`` (see :class:`WeightSink`), or None for a sink without one."""
+    slot = getattr(sink, "slot", None)
+    return slot if callable(slot) else None
 
 
 def lend(sink: WeightSink, name: str, tensor: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """The trainer kit's unit gather (:func:`stream_units`, :class:`UnitGather`) on two real gloo ranks:
 every tensor equals its full value (uneven shards, padded partitions, params it cannot flatten),
-in order, with one all-gather per unit."""
+in order, with one all-gather per unit; copied out into the destinations it is given (a sink's
+slots); the next unit of a pass reuses the all-gather output."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from pipelinerl_sdk.kit.trainer import FlatShard, UnitGather, full_tensor, stream_units
+from pipelinerl_sdk.kit.trainer import FlatShard, UnitBuffers, UnitGather, UnitGathers, full_tensor, stream_units
 from pipelinerl_sdk.trainer_group import RankContext, run_ranks
 
 SHAPES = [(5, 3), (7,), (1, 4), (2, 2, 3)]
@@ -67,6 +68,59 @@ def _gather_partitions(ctx: RankContext, _: None) -> list[bool]:
 def test_padded_flat_partitions_are_cut_to_the_param() -> None:
     for equal in run_ranks(2, _gather_partitions, None, timeout_s=300):
         assert equal == [True] * len(SHAPES)
+
+
+def _gather_into(ctx: RankContext, _: None) -> tuple[list[bool], list[bool], int]:
+    """Into destinations (every second param has one, the others get new tensors), two units of
+    the same sizes: one all-gather output serves both."""
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    full = _values() * 2
+    params = [(f"p{i}", distribute_tensor(t, mesh, [Shard(0)])) for i, t in enumerate(full)]
+    slots = {f"p{i}": torch.empty_like(t) for i, t in enumerate(full) if i % 2}
+    gathers = UnitGathers(into=slots.get)
+    got = list(stream_units([params[:4], params[4:]], gathers))
+    equal = [torch.equal(t, e) for (_, t), e in zip(got, full, strict=True)]
+    placed = [t.data_ptr() == slots[n].data_ptr() for n, t in got if n in slots]
+    return equal, placed, gathers.buffers.allocations
+
+
+def test_full_tensors_go_into_their_slots_and_a_pass_reuses_its_output() -> None:
+    for equal, placed, allocations in run_ranks(2, _gather_into, None, timeout_s=300):
+        assert all(equal), equal
+        assert placed == [True] * 4
+        assert allocations == 1  # gloo: no prefetch, the second unit reuses the first's output
+
+
+def test_unit_buffers_hand_out_a_free_buffer_that_fits() -> None:
+    buffers, cpu = UnitBuffers(), torch.device("cpu")
+    a = buffers.take(100, cpu)
+    buffers.give(a)
+    b = buffers.take(60, cpu)  # a view of the free one
+    assert b.numel() == 60 and b.data_ptr() == a.data_ptr() and buffers.allocations == 1
+    c = buffers.take(60, cpu)  # none free: a new one
+    buffers.give(b)
+    buffers.give(c)
+    d = buffers.take(100, cpu)  # b's whole buffer again, c kept
+    assert d.data_ptr() == a.data_ptr() and buffers.allocations == 2
+    e = buffers.take(500, cpu)  # nothing fits: c is dropped, a new one
+    assert buffers.allocations == 3 and e.numel() == 500
+    buffers.give(e)
+    assert buffers.take(500, cpu).data_ptr() == e.data_ptr()
+
+
+def _gather_into_a_wrong_slot(ctx: RankContext, _: None) -> str:
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    params = [("p0", distribute_tensor(_values()[0], mesh, [Shard(0)]))]
+    try:
+        list(stream_units([params], UnitGathers(into=lambda name: torch.empty(3, 5))))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_slot_of_the_wrong_shape_is_refused_naming_the_param() -> None:
+    for message in run_ranks(2, _gather_into_a_wrong_slot, None, timeout_s=300):
+        assert message.startswith("'p0': slot torch.float32 (3, 5), param torch.float32 (5, 3)"), message
 
 
 def test_full_tensor_of_a_plain_tensor_is_itself() -> None:

@@ -1,6 +1,7 @@
-"""WeightSender on a real gloo group (rank 0 here, rank 1 in a thread): whatever mix of sent and
-lent tensors, the receiver gets every byte; lent tensors laid out by ``flatten_params`` go out
-in place (no packing copy, no bucket buffers)."""
+"""WeightSender on a real gloo group (rank 0 here, rank 1 in a thread): whatever mix of sent, lent
+and slot-written tensors, the receiver gets every byte; lent tensors laid out by
+``flatten_params`` go out in place (no packing copy, no bucket buffers); a tensor written in its
+``slot`` is not copied again."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import free_port
 from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver
-from pipelinerl_sdk.weights.send import SendStats, WeightSender
+from pipelinerl_sdk.weights.send import SendOrderError, SendStats, WeightSender
 from pipelinerl_sdk.weights.tensors import flatten_params, spec_of
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
@@ -47,8 +48,8 @@ def transfer(
     bucket_bytes: int,
     how: list[str],
 ) -> tuple[SendStats, StagedWeights, WeightSender]:
-    """One update of ``params``; ``how[i]`` is ``send``, ``lend`` or ``lend-copy`` (a lent clone:
-    right values, wrong place)."""
+    """One update of ``params``; ``how[i]`` is ``send``, ``lend``, ``lend-copy`` (a lent clone:
+    right values, wrong place) or ``slot`` (written in the sender's slot, then sent)."""
     group, receiver = pair
     plan = BucketPlan.build([spec_of(n, t) for n, t in params], bucket_bytes)
     key = f"test/{next(_keys)}"
@@ -62,6 +63,10 @@ def transfer(
             sender.send(name, tensor)
         elif mode == "lend":
             lend(sender, name, tensor)
+        elif mode == "slot":
+            dst = sender.slot(name)
+            dst.copy_(tensor)
+            sender.send(name, dst)
         else:
             sender.lend(name, tensor.clone())
     stats = sender.finish()
@@ -143,7 +148,7 @@ def test_any_mix_of_send_and_lend_delivers_every_byte(
     params = model_params(sizes, seed=len(sizes))
     if flattened:
         flatten_params(params)
-    modes = st.sampled_from(["send", "lend", "lend-copy"])
+    modes = st.sampled_from(["send", "lend", "lend-copy", "slot"])
     how = data.draw(st.lists(modes, min_size=len(params), max_size=len(params)))
     stats, staged, _ = transfer(pair, params, bucket_bytes, how)
     assert_received(params, staged)
@@ -151,7 +156,40 @@ def test_any_mix_of_send_and_lend_delivers_every_byte(
         assert stats.in_place_buckets == stats.buckets
     if not flattened:
         # separate tensors can be in place only one per bucket, where a bucket holds one param
-        assert stats.in_place_buckets <= sum(1 for h in how if h != "send")
+        assert stats.in_place_buckets <= sum(1 for h in how if h not in ("send", "slot"))
+
+
+def test_a_slot_is_the_params_place_in_its_bucket_buffer(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
+    """Each slot lies in the sender's bucket buffer at its entry's offset (so ``send`` of it copies
+    nothing: the buffer already holds it); buckets alternate between the two buffers, the second
+    use of a buffer waiting for its first broadcast."""
+    group, receiver = pair
+    params = model_params([(1000, torch.float32), (33, torch.bfloat16), (4096, torch.float32), (7, torch.int64)] * 2)
+    plan = BucketPlan.build([spec_of(n, t) for n, t in params], 8192)
+    key = f"test/{next(_keys)}"
+    staged: Future[StagedWeights] = Future()
+    rx = threading.Thread(target=lambda: staged.set_result(receiver.receive(plan, key, decision_timeout_s=30)))
+    rx.start()
+    group.post_decision(key, go=True)
+    sender = WeightSender(group, plan)
+    places = []
+    for bucket in plan.buckets:
+        for entry in bucket.entries:
+            name = entry.spec.name
+            with pytest.raises(SendOrderError, match="expected param"):
+                sender.slot("not-" + name)
+            dst = sender.slot(name)
+            assert (dst.dtype, tuple(dst.shape)) == (dict(params)[name].dtype, tuple(dict(params)[name].shape))
+            dst.copy_(dict(params)[name])
+            assert sender.buffers is not None
+            buffer = sender.buffers[bucket.index % 2]
+            places.append(dst.data_ptr() - buffer.data_ptr() == entry.offset)
+            sender.send(name, dst)
+    stats = sender.finish()
+    rx.join(30)
+    group.clear_decision(key)
+    assert all(places) and stats.buckets == len(plan.buckets) >= 3
+    assert_received(params, staged.result(timeout=1))
 
 
 def test_flatten_params_keeps_values_objects_and_training(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:

@@ -7,7 +7,9 @@ building it by its registered name. Rank 0 joins the server in a weight-update g
 only take part in the trainer's own gathers. The model is the ``bench`` preset (~103 MB fp32,
 8 decoder layers of ~12.6 MB) unless one is given.
 
-Figures (medians over ``repeats`` timed updates after one warm-up):
+Figures (medians over ``repeats`` timed rounds after one warm-up round). A round measures, back
+to back, so that a change in the machine's load moves all three alike: the all-gather floor,
+the flat broadcast, then one update:
 
 - ``gather_broadcast_s``: rank 0's ``gather_and_broadcast`` into the SDK's bucketed sender,
   from the sender's creation (every server accepted) until the last bucket's broadcast completed
@@ -15,12 +17,13 @@ Figures (medians over ``repeats`` timed updates after one warm-up):
   as the trainer and sender manage;
 - ``flat_broadcast_s``: one broadcast of a single flat buffer of the same bytes to the same
   server (``publisher.probe``): the floor for the line above; ``update_over_flat_broadcast`` is
-  their ratio (target <= 1.25);
+  the median of the rounds' ratios of the two (target <= 1.25);
 - ``allgather_floor_s``: the trainer ranks' all-gather of every gather unit alone (a decoder
   layer; each param outside the layers), one ``all_gather_single`` of the unit's bytes per unit,
   in the trainer's default group, no sink: the floor of the gather side;
-  ``update_over_floor`` is ``gather_broadcast_s`` over (``allgather_floor_s`` +
-  ``flat_broadcast_s``) (target <= 1.1 on a CPU machine, where both share the cores);
+  ``update_over_floor`` is the median of the rounds' ``gather_broadcast_s`` over
+  (``allgather_floor_s`` + ``flat_broadcast_s``) (target <= 1.1 on a CPU machine, where both
+  share the cores);
 - ``gather_alone_s``: the trainer's own ``gather_and_broadcast(None)`` on every rank (no sink);
 - ``collectives``: collectives rank 0 issued in one ``gather_and_broadcast`` (``trainer``: the
   profiler's ``gloo:``/``nccl:`` events in the trainer's gather alone; ``floor``: one per unit;
@@ -55,7 +58,7 @@ from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.memory import AllocationPeak, gather_units
 from pipelinerl_sdk.trainer_group import RankContext, run_ranks
 
-__all__ = ["TARGETS", "GatherJob", "run_gather_bench"]
+__all__ = ["TARGETS", "AllgatherFloor", "GatherJob", "run_gather_bench"]
 
 #: Bounds a trainer should meet (ratios at most these).
 TARGETS: dict[str, float] = {"update_over_floor": 1.1, "peak_over_layer": 2.5}
@@ -108,8 +111,7 @@ def run_gather_bench(
             )
             results = run_ranks(world_size, gather_rank, job, timeout_s=timeout_s)
     result: dict[str, Any] = results[0]
-    floor_s = result["allgather_floor_s"] + result["flat_broadcast_s"]
-    result["update_over_floor"] = result["gather_broadcast_s"] / floor_s
+    result["collectives"]["floor"] = result.pop("floor_units")
     result["collectives"]["sender"] = result.pop("buckets")
     result["meets_targets"] = {k: result[k] is not None and result[k] <= v for k, v in TARGETS.items()}
     result["targets"] = dict(TARGETS)
@@ -131,7 +133,9 @@ def run_gather_bench(
 
 def gather_rank(ctx: RankContext, job: GatherJob) -> dict[str, Any]:
     """One rank: init the trainer by its registered name; rank 0 publishes (and measures), the
-    others gather along. Every rank calls ``gather_and_broadcast`` ``repeats + 2`` times."""
+    others gather along. Every rank runs the same collectives in the same order: the gathers
+    alone, then ``repeats + 1`` rounds of (all-gather floor, ``gather_and_broadcast``), then one
+    more ``gather_and_broadcast`` (rank 0 measures its peak memory)."""
     from pipelinerl_sdk.plugins import load_registry
 
     if job.torch_threads is not None:
@@ -139,12 +143,15 @@ def gather_rank(ctx: RankContext, job: GatherJob) -> dict[str, Any]:
     trainer: TrainerBackend = load_registry().create_trainer(job.trainer)
     try:
         trainer.init(TrainerSpec(model=job.model, dtype="float32", options=dict(job.options)))
-        floors = measure_floors(trainer, job.repeats, count=ctx.is_main)
+        alone = measure_gather_alone(trainer, job.repeats, count=ctx.is_main)
+        floor = AllgatherFloor(trainer)
         if not ctx.is_main:
-            for _ in range(job.repeats + 2):
+            for _ in range(job.repeats + 1):
+                _timed(floor, 1)
                 trainer.gather_and_broadcast(None)
+            trainer.gather_and_broadcast(None)
             return {}
-        return {**floors, **asyncio.run(_publish_and_measure(trainer, job))}
+        return {**alone, **asyncio.run(_publish_and_measure(trainer, job, floor))}
     finally:
         trainer.close()
 
@@ -170,29 +177,39 @@ def _timed(fn: Any, repeats: int) -> list[float]:
     return out
 
 
-def measure_floors(trainer: TrainerBackend, repeats: int, *, count: bool) -> dict[str, Any]:
-    """On every rank (collectives): the all-gather floor (one ``all_gather_single`` of each gather
-    unit's bytes, no sink) and the trainer's own gather alone, each once to warm up, then
-    ``repeats`` timed; with ``count``, the collectives of one gather alone, under the profiler."""
-    import torch.distributed as dist
+class AllgatherFloor:
+    """The all-gather floor, run on every rank (collectives): one ``all_gather_single`` of each
+    gather unit's bytes into one preallocated buffer, no sink. ``units``: the collectives one run
+    issues (none at world size 1)."""
 
-    specs = trainer.param_specs()
-    units = list(gather_units(specs).values())
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    chunk = max(-(-n // world) for n in units)
-    out = torch.ones(world * chunk, dtype=torch.uint8)
+    def __init__(self, trainer: TrainerBackend) -> None:
+        import torch.distributed as dist
 
-    def floor() -> None:
-        for n in units:
-            c = -(-n // world)
-            if world > 1:
-                dist.all_gather_single(out[: world * c], out[rank * c : (rank + 1) * c])
+        self._units = list(gather_units(trainer.param_specs()).values())
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        chunk = max(-(-n // self._world) for n in self._units)
+        self._out = torch.ones(self._world * chunk, dtype=torch.uint8)
+        self.units = len(self._units) if self._world > 1 else 0
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        if self._world == 1:
+            return
+        for n in self._units:
+            c = -(-n // self._world)
+            dist.all_gather_single(self._out[: self._world * c], self._out[self._rank * c : (self._rank + 1) * c])
+
+
+def measure_gather_alone(trainer: TrainerBackend, repeats: int, *, count: bool) -> dict[str, Any]:
+    """On every rank (collectives): the trainer's own gather alone (no sink), once to warm up,
+    then ``repeats`` timed; with ``count``, the collectives of one gather alone, under the
+    profiler, beside the floor's count (one per unit)."""
 
     def alone() -> None:
         trainer.gather_and_broadcast(None)
 
-    floor_s = _timed(floor, repeats + 1)[1:]
     alone_s = _timed(alone, repeats + 1)[1:]
     if count:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -201,14 +218,13 @@ def measure_floors(trainer: TrainerBackend, repeats: int, *, count: bool) -> dic
     else:
         alone()
     return {
-        "allgather_floor_s": statistics.median(floor_s),
         "gather_alone_s": statistics.median(alone_s),
-        "collectives": {"trainer": trainer_collectives if count else None, "floor": len(units) if world > 1 else 0},
-        "floor_samples": {"allgather_floor_s": floor_s, "gather_alone_s": alone_s},
+        "collectives": {"trainer": trainer_collectives if count else None},
+        "floor_samples": {"gather_alone_s": alone_s},
     }
 
 
-async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[str, Any]:
+async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob, floor: AllgatherFloor) -> dict[str, Any]:
     from pipelinerl_sdk.http.client import InferenceClient
     from pipelinerl_sdk.weights.publisher import WeightPublisher
 
@@ -222,16 +238,20 @@ async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[
         version = (await client.info()).version
         await publisher.connect()
         await publisher.probe(model_bytes)  # warm-up
-        flat = [(await publisher.probe(model_bytes))[0] for _ in range(3)]
-
+        floor_s: list[float] = []
+        flat: list[float] = []
         gather_s: list[float] = []
         wall_s: list[float] = []
-        for i in range(job.repeats + 1):  # the first is a warm-up
+        for i in range(job.repeats + 1):  # the first round is a warm-up
+            allgather = (await asyncio.to_thread(_timed, floor, 1))[0]
+            probe = (await publisher.probe(model_bytes))[0]
             version += 1
             async with publisher.update(version, specs) as sender:
                 await asyncio.to_thread(trainer.gather_and_broadcast, sender)
             assert publisher.last is not None
             if i:
+                floor_s.append(allgather)
+                flat.append(probe)
                 gather_s.append(publisher.last.send.seconds)
                 wall_s.append(publisher.last.wall_s)
 
@@ -247,7 +267,6 @@ async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[
         await client.aclose()
 
     gather_med = statistics.median(gather_s)
-    flat_med = statistics.median(flat)
     largest_layer = max(layers) if layers else None
     return {
         "model_bytes": model_bytes,
@@ -255,13 +274,21 @@ async def _publish_and_measure(trainer: TrainerBackend, job: GatherJob) -> dict[
         "largest_layer_bytes": largest_layer,
         "largest_unit_bytes": max(units.values()),
         "gather_broadcast_s": gather_med,
-        "flat_broadcast_s": flat_med,
-        "update_over_flat_broadcast": gather_med / flat_med,
+        "flat_broadcast_s": statistics.median(flat),
+        "allgather_floor_s": statistics.median(floor_s),
+        "update_over_flat_broadcast": statistics.median(g / f for g, f in zip(gather_s, flat, strict=True)),
+        "update_over_floor": statistics.median(g / (a + f) for g, a, f in zip(gather_s, floor_s, flat, strict=True)),
+        "floor_units": floor.units,
         "buckets": buckets,
         "update_wall_s": statistics.median(wall_s),
         "peak_extra_bytes": peak.bytes,
         "allocated_bytes": peak.allocated,
         "peak_over_layer": peak.bytes / largest_layer if largest_layer else None,
         "sender_buffer_bytes": buffers,
-        "samples": {"gather_broadcast_s": gather_s, "flat_broadcast_s": flat, "update_wall_s": wall_s},
+        "samples": {
+            "gather_broadcast_s": gather_s,
+            "flat_broadcast_s": flat,
+            "allgather_floor_s": floor_s,
+            "update_wall_s": wall_s,
+        },
     }

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from pipelinerl_sdk.contracts import (
+    Into,
     Objective,
     StepMetrics,
     TokenBatch,
@@ -73,6 +74,7 @@ from pipelinerl_sdk.contracts import (
     TrainerSpec,
     WeightSink,
     lend,
+    slot_of,
 )
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import hf_name, spec_of
@@ -82,7 +84,9 @@ __all__ = [
     "FullParamsOut",
     "KitTrainer",
     "PendingUnit",
+    "UnitBuffers",
     "UnitGather",
+    "UnitGathers",
     "adamw",
     "clip_global_norm",
     "dtensor_shard",
@@ -139,25 +143,62 @@ def dtensor_shard(p: torch.Tensor) -> FlatShard | None:
     return FlatShard(local, chunk, rows, row_bytes, tuple(p.shape), p.dtype, p.device_mesh.get_group())
 
 
+class UnitBuffers:
+    """All-gather outputs reused from one gather unit to the next within one pass over the units,
+    so that a pass allocates about as many as it has units in flight, not one per unit (fresh
+    pages cost a first-touch fault: on the CPU about as much as a copy of them). :meth:`take`
+    hands out a free buffer that is large enough (a smaller one is dropped), :meth:`give` takes it
+    back once nothing reads it."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        #: Buffers allocated so far (the others were reused).
+        self.allocations = 0
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` (a view of a free one if one is large enough)."""
+        fits = [b for b in self._free if b.numel() >= nbytes and b.device == device]
+        if not fits:
+            self._free = [b for b in self._free if b.device != device]
+            self.allocations += 1
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._free = [b for b in self._free if b is not fits[0]]
+        return fits[0][:nbytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Hand ``buf`` (from :meth:`take`) back: nothing reads it any more."""
+        self._free.append(buf if buf._base is None else buf._base)
+
+
 class UnitGather:
     """One gather unit's all-gather, started on construction: every param of the unit that
     ``shard_of`` describes (default :func:`dtensor_shard`: FSDP2's layout), all in one group, goes
     out in ONE asynchronous ``all_gather_single`` of the unit's flat shard (in place: this rank's
     slice of the output is the input, so the only allocation is the output, one unit);
     :meth:`tensors` waits for it and yields each full tensor, copied out of the output one at a
-    time. Any other param is yielded as :func:`full_tensor` makes it (a DTensor: a collective
-    each) when its turn comes. Every rank must build the same units in the same order."""
+    time: into ``into(name)`` where that gives a tensor (a sink's slot, see
+    :func:`~pipelinerl_sdk.contracts.slot_of`: the copy-out is then the only copy), else into a
+    new tensor. Any other param is yielded as :func:`full_tensor` makes it (a DTensor: a
+    collective each) when its turn comes. Every rank must build the same units in the same order.
+
+    ``buffers``: where the output comes from and goes back to once the last tensor is copied out
+    of it, one :class:`UnitBuffers` for a whole pass (:class:`UnitGathers` makes one)."""
 
     def __init__(
         self,
         params: Sequence[tuple[str, torch.Tensor]],
         shard_of: Callable[[torch.Tensor], FlatShard | None] = dtensor_shard,
+        *,
+        into: Into | None = None,
+        buffers: UnitBuffers | None = None,
     ) -> None:
         self._params = list(params)
         self._slots: dict[int, tuple[int, FlatShard]] = {}  # index -> (byte offset in a rank's part, shard)
         self._out: torch.Tensor | None = None
         self._work: Any = None
         self._per_rank = 0
+        self._into = into
+        self._buffers = buffers or UnitBuffers()
         #: Another unit's gather may start while this one's tensors are handed out (not on gloo:
         #: the next unit's all-gather would hold its output and gloo's temporary beside this
         #: unit's tensors, even when this unit needed no collective).
@@ -174,7 +215,7 @@ class UnitGather:
             return
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         first = next(iter(self._slots.values()))[1]
-        out = torch.empty(world * self._per_rank, dtype=torch.uint8, device=first.local.device)
+        out = self._buffers.take(world * self._per_rank, first.local.device)
         mine = out[rank * self._per_rank : (rank + 1) * self._per_rank]
         for offset, shard in self._slots.values():
             raw = shard.local.reshape(-1).view(torch.uint8)[: shard.chunk * shard.row_bytes]
@@ -192,23 +233,47 @@ class UnitGather:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        last = max(self._slots, default=-1)
         for i, (name, p) in enumerate(self._params):
             slot = self._slots.get(i)
             if slot is None:
                 yield name, full_tensor(p)
                 continue
-            assert self._out is not None
+            out = self._out
+            assert out is not None
             offset, shard = slot
             chunk, rows, row_bytes = shard.chunk, shard.rows, shard.row_bytes
-            full = torch.empty(shard.shape, dtype=shard.dtype, device=self._out.device)
+            full = self._into(name) if self._into is not None else None
+            if full is None:
+                full = torch.empty(shard.shape, dtype=shard.dtype, device=out.device)
+            elif tuple(full.shape) != shard.shape or full.dtype != shard.dtype or not full.is_contiguous():
+                raise ValueError(f"{name!r}: slot {full.dtype} {tuple(full.shape)}, param {shard.dtype} {shard.shape}")
             raw = full.view(-1).view(torch.uint8)
             for r in range(-(-rows // chunk)):
                 n = min(chunk, rows - r * chunk) * row_bytes
                 src = r * self._per_rank + offset
-                raw[r * chunk * row_bytes : r * chunk * row_bytes + n].copy_(self._out[src : src + n])
+                raw[r * chunk * row_bytes : r * chunk * row_bytes + n].copy_(out[src : src + n])
+            if i == last:  # the last copy-out: nothing reads the output any more
+                self._out = None
+                self._buffers.give(out)
             yield name, full
             del full, raw
-        self._out = None
+
+
+class UnitGathers:
+    """The ``start`` of :func:`stream_units` for one pass over the units: each unit's
+    :class:`UnitGather` with ``shard_of``, the pass's destinations ``into`` and one
+    :class:`UnitBuffers` shared by every unit of the pass (create one per pass)."""
+
+    def __init__(
+        self, shard_of: Callable[[torch.Tensor], FlatShard | None] = dtensor_shard, into: Into | None = None
+    ) -> None:
+        self.shard_of = shard_of
+        self.into = into
+        self.buffers = UnitBuffers()
+
+    def __call__(self, params: Sequence[tuple[str, torch.Tensor]]) -> UnitGather:
+        return UnitGather(params, self.shard_of, into=self.into, buffers=self.buffers)
 
 
 class PendingUnit(Protocol):
@@ -274,12 +339,15 @@ class FullParamsOut:
     The trainer implements :meth:`full_params`: full tensors under HF names, in ``param_specs()``
     order, every rank iterating to the end (the gathers are collectives); :meth:`lendable`: a
     tensor that stays unchanged until the next ``step`` is handed to the sink with
-    :func:`~pipelinerl_sdk.contracts.lend` (no copy), any other is sent (copied); and
-    :meth:`check_ready`: RuntimeError before ``init``. ``gather_and_broadcast`` hands every tensor
-    to the sink (rank 0; ``None`` on the others, which still iterate), ``state_dict_hf`` copies
-    every tensor to CPU on every rank."""
+    :func:`~pipelinerl_sdk.contracts.lend` (no copy), any other is sent (copied, unless it was
+    written in the sink's slot); and :meth:`check_ready`: RuntimeError before ``init``.
+    ``gather_and_broadcast`` hands every tensor to the sink (rank 0; ``None`` on the others, which
+    still iterate), ``state_dict_hf`` copies every tensor to CPU on every rank."""
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_params(self, into: Into | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``into`` (rank 0 of a publish, where the sink has slots): where each full tensor may
+        be written, so that the sink copies nothing (see :func:`~pipelinerl_sdk.contracts.slot_of`;
+        a trainer may ignore it)."""
         raise NotImplementedError(f"{type(self).__name__} must implement full_params")
 
     def lendable(self, tensor: torch.Tensor) -> bool:
@@ -292,7 +360,7 @@ class FullParamsOut:
     def gather_and_broadcast(self, sink: WeightSink | None) -> None:
         self.check_ready()
         with torch.no_grad():
-            for name, tensor in self.full_params():
+            for name, tensor in self.full_params(slot_of(sink)):
                 if sink is not None:
                     if self.lendable(tensor):
                         lend(sink, name, tensor)
@@ -393,15 +461,16 @@ class KitTrainer(FullParamsOut, TrainerBackend):
         """The learning rate the last step used (reported by ``step``)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_params(self, into: Into | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under HF names, in ``param_specs()`` order, gathered one unit at a time
-        (every rank iterates to the end: the gathers are collectives). Default: the units of
-        :func:`~pipelinerl_sdk.hf.layer_units` (a decoder layer; each param outside the layers)
-        through :func:`stream_units` (one all-gather per unit, the next one in flight)."""
+        (every rank iterates to the end: the gathers are collectives), copied out into ``into``'s
+        slots where given. Default: the units of :func:`~pipelinerl_sdk.hf.layer_units` (a decoder
+        layer; each param outside the layers) through :func:`stream_units` (one all-gather per
+        unit, the next one in flight; :class:`UnitGathers`)."""
         from pipelinerl_sdk.hf import layer_units
 
         units = ([(hf_name(n), p) for n, p in unit] for unit in layer_units(self.hf_module()))
-        yield from stream_units(units, UnitGather)
+        yield from stream_units(units, UnitGathers(into=into))
 
     def release(self) -> None:
         """The engine's own teardown, first thing in ``close`` (default: nothing)."""

@@ -1,10 +1,13 @@
 """Trainer side: stream named tensors through the bucket plan into the group.
 
-Two ways to hand over a param, in plan order:
+Three ways to hand over a param, in plan order:
 
 - :meth:`WeightSender.send` copies the tensor into one of two bucket buffers before it returns, so
   the caller may free or reuse it at once (a gathered layer, say). Packing bucket k+1 overlaps the
   broadcast of bucket k.
+- :meth:`WeightSender.slot` gives the place in those buffers where the next param goes: a trainer
+  that makes the full tensor itself (a gather's copy-out) writes it there, then hands that same
+  tensor to :meth:`~WeightSender.send`, which then copies nothing.
 - :meth:`WeightSender.lend` promises the tensor stays alive and unchanged until :meth:`finish`
   returns. When every param of a bucket is lent and they lie in one storage at the plan's
   offsets (a trainer that keeps its params in one buffer in the :func:`~pipelinerl_sdk.weights.
@@ -71,6 +74,7 @@ class WeightSender:
         self._lent: list[tuple[BucketEntry, torch.Tensor]] = []
         self._in_place: tuple[int, int] | None = None  # (storage data_ptr, byte offset of the bucket)
         self._packing = False
+        self._opened = -1  # index of the bucket being filled (its buffer slot drained)
         self._started = time.perf_counter()
         self._sent = 0
         self._in_place_count = 0
@@ -87,11 +91,25 @@ class WeightSender:
         return self._order[self._next][1].spec.name if self._next < len(self._order) else None
 
     def send(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` into its bucket; the caller may reuse it as soon as this returns."""
+        """Copy ``tensor`` into its bucket (nothing to copy when it is this param's :meth:`slot`);
+        the caller may reuse it as soon as this returns."""
         bucket, entry = self._take(name, tensor)
         self._pack_lent(bucket)
         self._copy(bucket, entry, tensor)
         self._close_if_full(bucket, entry)
+
+    def slot(self, name: str) -> torch.Tensor:
+        """Where the next param, ``name``, goes: a writable tensor of its dtype and shape in its
+        bucket's buffer. Fill it, then :meth:`send` it (no copy is made). Valid until that
+        ``send``; anything else handed over first overwrites or abandons it. The buffer's previous
+        broadcast has completed when this returns. SendOrderError if ``name`` is not next."""
+        bucket, entry = self._expect(name)
+        self._open(bucket)
+        self._pack_lent(bucket)
+        self._packing = True
+        spec = entry.spec
+        raw = self._buffer(bucket)[entry.offset : entry.offset + spec.nbytes]
+        return raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
 
     def lend(self, name: str, tensor: torch.Tensor) -> None:
         """Hand over ``tensor`` without a copy where the layout allows (see the module doc). The
@@ -122,23 +140,33 @@ class WeightSender:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _take(self, name: str, tensor: torch.Tensor) -> tuple[Bucket, BucketEntry]:
-        """Check ``tensor`` is the param the plan expects next and advance; a new bucket waits
-        for the broadcast that last used its slot."""
+    def _expect(self, name: str) -> tuple[Bucket, BucketEntry]:
+        """The next param's place; SendOrderError unless it is ``name``."""
         if self._next >= len(self._order):
             raise SendOrderError(f"{name!r}: every param of the plan was already sent")
         bucket, entry = self._order[self._next]
+        if name != entry.spec.name:
+            raise SendOrderError(f"expected param {entry.spec.name!r} next, got {name!r}")
+        return bucket, entry
+
+    def _open(self, bucket: Bucket) -> None:
+        """Start filling ``bucket`` (once): wait for the broadcast that last used its buffer."""
+        if self._opened != bucket.index:
+            self._opened = bucket.index
+            self._drain(bucket.index % 2)  # at most two broadcasts in flight; the slot's buffer is free
+            self._lent, self._in_place, self._packing = [], None, False
+
+    def _take(self, name: str, tensor: torch.Tensor) -> tuple[Bucket, BucketEntry]:
+        """Check ``tensor`` is the param the plan expects next and advance; a new bucket waits
+        for the broadcast that last used its slot."""
+        bucket, entry = self._expect(name)
         spec = entry.spec
-        if name != spec.name:
-            raise SendOrderError(f"expected param {spec.name!r} next, got {name!r}")
         if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
             raise SendOrderError(
                 f"{name!r}: got {tensor.dtype} {tuple(tensor.shape)}, plan says {spec.dtype} {spec.shape}"
             )
         self._next += 1
-        if entry.offset == 0:
-            self._drain(bucket.index % 2)  # at most two broadcasts in flight; the slot's buffer is free
-            self._lent, self._in_place, self._packing = [], None, False
+        self._open(bucket)
         return bucket, entry
 
     def _buffer(self, bucket: Bucket) -> torch.Tensor:
@@ -149,7 +177,10 @@ class WeightSender:
 
     def _copy(self, bucket: Bucket, entry: BucketEntry, tensor: torch.Tensor) -> None:
         self._packing = True
-        self._buffer(bucket)[entry.offset : entry.offset + entry.spec.nbytes].copy_(as_bytes(tensor))
+        dst = self._buffer(bucket)[entry.offset : entry.offset + entry.spec.nbytes]
+        src = as_bytes(tensor)
+        if src.data_ptr() != dst.data_ptr():  # else it was written in its slot
+            dst.copy_(src)
 
     def _pack_lent(self, bucket: Bucket) -> None:
         """The bucket cannot go out in place: copy what was lent to it so far."""

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipelinerl_sdk.contracts import TrainerSpec
+from pipelinerl_sdk.contracts import Into, TrainerSpec
 from pipelinerl_sdk.hf import layer_units, load_model
-from pipelinerl_sdk.kit.trainer import FlatShard, KitTrainer, UnitGather, stream_units
+from pipelinerl_sdk.kit.trainer import FlatShard, KitTrainer, UnitGathers, stream_units
 from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import dtype_name, hf_name
 from pipelinerl_sdk_deepspeed.capabilities import CAPABILITIES, ZERO1, ZERO2, ZERO3
@@ -172,16 +172,17 @@ class DeepSpeedTrainer(KitTrainer):
         """ZeRO-1/2's replicated params stay unchanged until the next ``step``: lent."""
         return self._stage < 3
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """ZeRO-1/2: the full params every rank holds. ZeRO-3: one unit at a time
-        (:class:`ZeroUnit`, through :func:`stream_units`): extra memory within two layers."""
+    def full_params(self, into: Into | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """ZeRO-1/2: the full params every rank holds (``into`` unused: they are lent). ZeRO-3:
+        one unit at a time (the kit's :class:`UnitGathers` of :func:`zero3_shard`, through
+        :func:`stream_units`), copied out into ``into``'s slots: extra memory within two layers."""
         module = self.hf_module()
         if self._stage < 3:
             for name, p in module.named_parameters():
                 yield hf_name(name), p.detach()
             return
         units = ([(hf_name(n), p) for n, p in unit] for unit in layer_units(module))
-        yield from stream_units(units, lambda unit: UnitGather(unit, zero3_shard))
+        yield from stream_units(units, UnitGathers(zero3_shard, into))
 
     def release(self) -> None:
         self._hf = None

@@ -272,14 +272,15 @@ class FastLLMTrainer(FullParamsOut, TrainerBackend):
             g.zero_()
         self._has_grads = False
 
-    def full_params(self) -> Any:
+    def full_params(self, into: Any = None) -> Any:
         """(HF name, full tensor) one at a time, in Fast-LLM's stage order; a collective on every rank.
 
         What Fast-LLM's ``iter_checkpoint`` does (its HF converter, ``_convert_state_dict``, one
         parameter at a time), but from the stage's weight buffer: ``restore_parameters`` all-gathers
         the stage's shards into it, as Fast-LLM's next forward would, so no gathered copy is made
         here (Fast-LLM's export gathers a copy of each stage, which gloo stages once more: 2.5x a
-        layer). Tied-weight copies are skipped, as in Fast-LLM's export."""
+        layer). Tied-weight copies are skipped, as in Fast-LLM's export. ``into`` is not used: the
+        converter makes the HF tensors (views of the stage's buffer, lent in ZeRO-1/2)."""
         handler = self._export.format.get_handler_class()(self._model)
         owned = self._model.stages_owned
         state: dict[str, torch.Tensor] = {}

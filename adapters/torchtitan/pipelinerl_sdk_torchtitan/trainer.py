@@ -59,8 +59,8 @@ from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed.utils import clip_grad_norm_  # noqa: E402
 from torchtitan.models.common.attention import FusedQKVLinear  # noqa: E402
 
-from pipelinerl_sdk.contracts import TrainerSpec  # noqa: E402
-from pipelinerl_sdk.kit.trainer import KitTrainer, UnitGather, clip_global_norm, stream_units  # noqa: E402
+from pipelinerl_sdk.contracts import Into, TrainerSpec  # noqa: E402
+from pipelinerl_sdk.kit.trainer import KitTrainer, UnitGather, UnitGathers, clip_global_norm, stream_units  # noqa: E402
 from pipelinerl_sdk.protocol import ParamSpec  # noqa: E402
 from pipelinerl_sdk.weights.tensors import spec_of  # noqa: E402
 from pipelinerl_sdk_torchtitan.capabilities import CAPABILITIES  # noqa: E402
@@ -288,14 +288,16 @@ class TorchTitanTrainer(KitTrainer):
             ]
         return list(self._specs)
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """One unit at a time: its full params (one all-gather), the fused QKV split, ``to_hf`` of
-        that unit alone."""
-        return stream_units(self._units(self.model), self._start_unit)
+    def full_params(self, into: Into | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """One unit at a time: its full params (one all-gather, buffers reused over the pass), the
+        fused QKV split, ``to_hf`` of that unit alone. ``into`` is not used: the gather's tensors
+        are TorchTitan's, under TorchTitan's names, and ``to_hf`` makes the HF ones."""
+        gathers = UnitGathers()
+        return stream_units(self._units(self.model), lambda unit: self._start_unit(unit, gathers))
 
-    def _start_unit(self, unit: tuple[str, torch.nn.Module]) -> _TitanUnit:
+    def _start_unit(self, unit: tuple[str, torch.nn.Module], gathers: UnitGathers) -> _TitanUnit:
         prefix, module = unit
-        gather = UnitGather([(prefix + n, p) for n, p in module.named_parameters()])
+        gather = gathers([(prefix + n, p) for n, p in module.named_parameters()])
         return _TitanUnit(gather, lambda full: self._unit_hf(prefix, module, full))
 
     def release(self) -> None:
