@@ -232,9 +232,11 @@ class InferenceBackend(ABC):
 
     @property
     def signs_rendezvous(self) -> bool:
-        """Whether this server's workers join the group through the SDK's ``WeightSyncGroup``,
-        so can sign every rendezvous value (``/info``'s ``signed_rendezvous``). Default False: an
-        engine that forms the group with its own code reads plain values."""
+        """Whether this server's workers sign and verify every rendezvous value when the
+        invitation asks (``/info``'s ``signed_rendezvous``; see
+        :mod:`pipelinerl_sdk.weights.signed_store`): they join through the SDK's
+        ``WeightSyncGroup``, or the engine's own group call runs over a ``SignedStore``. Default
+        False: an engine that forms the group with its own code reads plain values."""
         return False
 
     def worker_states(self) -> list[WorkerState] | None:

@@ -9,10 +9,12 @@ without the secret ends the read with :class:`~pipelinerl_sdk.errors.GroupError`
 (the group does not form; the old weights keep serving). Counters (``add``) pass through
 unsigned: their value is the store's own arithmetic; a forged count can only stall a formation.
 
-Every member must form over the same view, so a group is signed only when every server's
-workers join through the SDK's :class:`~pipelinerl_sdk.weights.group.WeightSyncGroup`
-(``ServerInfo.signed_rendezvous``); an engine that forms the group with its own code (SGLang)
-reads and writes plain values, and its groups stay unsigned.
+Every member must form over the same view, so a group is signed only when every server says it
+signs (``ServerInfo.signed_rendezvous``): its workers join through the SDK's
+:class:`~pipelinerl_sdk.weights.group.WeightSyncGroup`, or an engine that forms the group with its
+own call does it over this view (SGLang's adapter arms torch's ``tcp://`` rendezvous inside
+SGLang's scheduler: ``pipelinerl_sdk_sglang.scheduler_hooks.sign_rendezvous``). An engine that
+forms with plain values cannot join a signed group, and the trainer then forms unsigned.
 """
 
 from __future__ import annotations

@@ -156,6 +156,26 @@ class SGLangInferenceBackend(KitBackend):
 
     # --- weight sync ------------------------------------------------------------------------------
 
+    @property
+    def signs_rendezvous(self) -> bool:
+        return True  # SGLang's own group call, its rendezvous signed in its scheduler (scheduler_hooks)
+
+    async def _sign_next_rendezvous(self, req: wire.InitProcessGroupRequest) -> None:
+        """Arm SGLang's scheduler (:func:`~pipelinerl_sdk_sglang.scheduler_hooks.sign_rendezvous`)
+        so that its next group formation at ``req.init_method`` signs and verifies every
+        rendezvous value under the group's secret (a hook runs inside a weight-update session,
+        generation held for the moment it takes)."""
+        from pipelinerl_sdk_sglang.scheduler_hooks import sign_rendezvous_request
+
+        sgl = self.sglang
+        async with self._paused():
+            await sgl.control("/begin_weight_update", {})
+            try:
+                request = sign_rendezvous_request(req.init_method, req.group_secret)
+                await sgl.call_hook("sign_rendezvous", request, self._tp)
+            finally:
+                await sgl.control("/end_weight_update", {})
+
     async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         from pipelinerl_sdk.protocol import parse_init_method
         from pipelinerl_sdk.weights.group import DecisionBoard
@@ -179,6 +199,8 @@ class SGLangInferenceBackend(KitBackend):
             "backend": req.backend,
         }
         try:
+            if req.signed_rendezvous:
+                await self._sign_next_rendezvous(req)
             joined = asyncio.create_task(self.sglang.control("/init_weights_update_group", body))
             decisions = await asyncio.to_thread(
                 DecisionBoard.connect, req.init_method, name, req.timeout_s, req.group_secret

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -31,13 +33,16 @@ from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.conformance.stateful import StatefulContractTests
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
-from pipelinerl_sdk.errors import ServerError
+from pipelinerl_sdk.errors import GroupError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
-from pipelinerl_sdk.protocol import ChatCompletionResponse
+from pipelinerl_sdk.protocol import ChatCompletionResponse, parse_init_method
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
+from pipelinerl_sdk.testing.security import outsider, take_rank_zero
 from pipelinerl_sdk.weights.auth import new_group_secret
-from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.publisher import WeightPublisher, free_port
+from pipelinerl_sdk.weights.signed_store import verified_value
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 HAVE_ADAPTER = importlib.util.find_spec("pipelinerl_sdk_sglang") is not None
@@ -393,28 +398,65 @@ def test_probe_broadcast_is_received_by_sglang(sglang_server: ServerProcess) -> 
 
 
 @requires_sglang
-def test_sglang_forms_unsigned_and_refuses_a_signed_rendezvous(sglang_server: ServerProcess) -> None:
-    """SGLang's own group call reads plain rendezvous values: ``/info`` says so, the SDK's trainer
-    then forms the group unsigned (and it joins), and an invitation that asks for a signed
-    rendezvous is a 400 naming the field, before anything joins; the server keeps serving."""
+def test_sglang_signs_its_rendezvous_and_an_outsider_cannot_take_rank_0(sglang_server: ServerProcess) -> None:
+    """SGLang forms the group with its own call, its rendezvous signed in its scheduler
+    (``scheduler_hooks.sign_rendezvous``): ``/info`` says ``signed_rendezvous``, the trainer forms
+    signed, and the value SGLang's rank wrote in the store carries the group's tag (an outsider
+    cannot make one). Then a second group: an outsider writes its own address over the trainer's
+    before SGLang joins; SGLang reads a value no member signed and refuses to form, naming the
+    key (unsigned, it would have taken the outsider as its rank 0), and keeps serving."""
 
     async def body() -> None:
         async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
-            assert not (await client.info()).signed_rendezvous
-            pub = WeightPublisher([client])
+            assert (await client.info()).signed_rendezvous
+            pub = WeightPublisher([client], timeout_s=30)
             await pub.connect()
-            assert pub.group is not None and not pub.group.config.signed
-            signed = dataclasses.replace(pub.group.config, signed=True, secret=new_group_secret())
-            with pytest.raises(ServerError) as err:
-                await client.init_process_group(signed.invitation(1))
-            assert err.value.status == 400 and "signed_rendezvous" in str(err.value), err.value
-            info = await client.info()
-            assert info.group is not None and not info.group.broken  # the old group still stands
-            resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
-            assert set(resp.choices[0].weight_versions) == {info.version}
+            assert pub.group is not None and pub.group.config.signed
+            cfg = pub.group.config
+            store = outsider(pub)
+            key = next(k for k in store.list_keys() if k.endswith("//cpu//0/1"))  # SGLang's rank 1
+            verified_value(cfg.secret, key, bytes(store.get(key)))  # its member's tag
+            with pytest.raises(GroupError):
+                verified_value(new_group_secret(), key, bytes(store.get(key)))
+            version = (await client.info()).version
+            send_s, by_url = await pub.probe(1 << 20)  # the signed group carries a broadcast
+            assert send_s > 0 and by_url[sglang_server.url] > 0
             await pub.close()
 
+            init = f"tcp://127.0.0.1:{free_port()}"
+            second = dataclasses.replace(cfg, init_method=init, secret=new_group_secret(), timeout_s=15)
+            trainer = threading.Thread(target=_form, args=(second,), daemon=True)
+            trainer.start()
+            attacker = take_rank_zero(init, fill=7.0, timeout_s=15)
+            host, port = parse_init_method(init)
+            watcher = torch.distributed.TCPStore(  # type: ignore[attr-defined]
+                host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=15)
+            )
+            deadline = time.monotonic() + 15
+            while not (keys := [k for k in watcher.list_keys() if k.endswith("//cpu//0/0")]):
+                assert time.monotonic() < deadline, "the trainer never wrote its rendezvous value"
+                await asyncio.sleep(0.01)
+            trainers = bytes(watcher.get(keys[0]))
+            while bytes(watcher.get(keys[0])) == trainers:  # the outsider's address over the trainer's
+                assert time.monotonic() < deadline, "the outsider never wrote its address"
+                await asyncio.sleep(0.01)
+            with pytest.raises(ServerError) as err:
+                await client.init_process_group(second.invitation(1))
+            assert "not written by a member" in str(err.value) and "//cpu//0/0" in str(err.value), err.value
+            await asyncio.to_thread(attacker.join, 20)
+            assert attacker.outcome != "sent"  # type: ignore[attr-defined]
+            resp = await client.chat({"messages": PROMPT, "max_tokens": 3})
+            assert set(resp.choices[0].weight_versions) == {version}  # still serving, same weights
+
     run(body)
+
+
+def _form(cfg: GroupConfig) -> None:
+    """The trainer's side of a group (rank 0): it times out once its server refused to join."""
+    try:
+        WeightSyncGroup(cfg)
+    except GroupError:
+        pass
 
 
 # --- streaming, /v1/completions and structured output on SGLang -----------------------------------
