@@ -165,14 +165,11 @@ class SGLangInferenceBackend(KitBackend):
         so that its next group formation at ``req.init_method`` signs and verifies every
         rendezvous value under the group's secret (a hook runs inside a weight-update session,
         generation held for the moment it takes)."""
-        from pipelinerl_sdk_sglang.scheduler_hooks import sign_rendezvous_request
-
         sgl = self.sglang
         async with self._paused():
             await sgl.control("/begin_weight_update", {})
             try:
-                request = sign_rendezvous_request(req.init_method, req.group_secret)
-                await sgl.call_hook("sign_rendezvous", request, self._tp)
+                await sgl.call_hook("sign_rendezvous", req.init_method, req.group_secret, tp_size=self._tp)
             finally:
                 await sgl.control("/end_weight_update", {})
 
@@ -265,6 +262,7 @@ class SGLangInferenceBackend(KitBackend):
         sgl, group_name = self.sglang, self._engine_group
         plan = BucketPlan.build(req.params, req.bucket_bytes)
         state = {"session": False, "snapshot": False, "loaded": False}
+        seen: dict[str, float] = {}  # SGLang's own phases (time.time()): its session open, each bucket loaded
 
         async def await_go() -> None:
             await self._await_go(wire.update_key(req.version), req.timeout_s)
@@ -273,9 +271,11 @@ class SGLangInferenceBackend(KitBackend):
             """Inside the pause: SGLang loads each bucket as it arrives (the apply is in here)."""
             await sgl.control("/begin_weight_update", {})
             state["session"] = True
+            seen["session_open"] = time.time()
             if self._atomic and len(plan.buckets) > 1:
-                await sgl.call_hook("snapshot", [], self._tp)
+                await sgl.call_hook("snapshot", tp_size=self._tp)
                 state["snapshot"] = True
+                seen["snapshot_taken"] = time.time()
             t_recv = time.perf_counter()
             last = len(plan.buckets) - 1
             for b in plan.buckets:
@@ -296,18 +296,19 @@ class SGLangInferenceBackend(KitBackend):
                         raise GroupError(f"bucket {b.index}/{last + 1} receive failed: {e}") from e
                     raise UpdateFailed(f"bucket {b.index}/{last + 1}: {e}") from e
                 state["loaded"] = True
+                seen.setdefault("first_bucket", time.time())  # received and loaded by SGLang
             return time.perf_counter() - t_recv
 
         async def apply() -> None:
             if state["snapshot"]:
-                await sgl.call_hook("discard", [], self._tp)
+                await sgl.call_hook("discard", tp_size=self._tp)
             await sgl.control("/end_weight_update", {})
             state["session"] = False
 
         async def abandon() -> None:
             await self._roll_back(state["snapshot"], state["loaded"], state["session"])
 
-        return UpdateSteps(await_go, receive, apply, self._paused, abandon=abandon)
+        return UpdateSteps(await_go, receive, apply, self._paused, abandon=abandon, stamps=lambda: seen)
 
     async def _roll_back(self, snapshot: bool, loaded: bool, session: bool) -> None:
         """After a failed update: put the old weights back (if any bucket was loaded) and close
@@ -315,9 +316,9 @@ class SGLangInferenceBackend(KitBackend):
         sgl = self.sglang
         try:
             if loaded and snapshot:
-                await sgl.call_hook("restore", [], self._tp)
+                await sgl.call_hook("restore", tp_size=self._tp)
             elif snapshot:
-                await sgl.call_hook("discard", [], self._tp)
+                await sgl.call_hook("discard", tp_size=self._tp)
             if session:
                 await sgl.control("/end_weight_update", {})
         except SGLangError as e:
@@ -325,9 +326,27 @@ class SGLangInferenceBackend(KitBackend):
         if loaded and not snapshot:
             raise PluginError("update failed after some buckets were loaded (option atomic=0)")
 
-    async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
-        from pipelinerl_sdk_sglang.scheduler_hooks import probe_request
+    async def apply_floor(self, repeats: int) -> wire.ApplyFloorResponse:
+        """SGLang's own apply of the model's tensors, no transfer, timed inside its scheduler
+        (:func:`~pipelinerl_sdk_sglang.scheduler_hooks.apply_floor`), generation held and a
+        weight-update session open as for an update; the served weights are put back. Per
+        repeat, the slowest TP rank's seconds."""
+        sgl = self.sglang
+        async with self._paused():
+            await sgl.control("/begin_weight_update", {})
+            try:
+                results = await sgl.call_hook("apply_floor", self.config.model, repeats, tp_size=self._tp)
+            except SGLangError as e:
+                raise UpdateRejected(f"apply floor: {e}", status=422) from e
+            finally:
+                await sgl.control("/end_weight_update", {})
+        return wire.ApplyFloorResponse(
+            seconds=[max(float(r["seconds"][i]) for r in results) for i in range(repeats)],
+            detail="SGLang in its scheduler: restore_weights_before_loading, model.load_weights(checkpoint "
+            "tensors), postprocess_weights (one update's session), served weights put back",
+        )
 
+    async def probe_broadcast(self, req: wire.ProbeBroadcastRequest) -> float:
         self.require_group()
         group_name, sgl = self._engine_group, self.sglang
         with self.book.breaking():
@@ -337,7 +356,7 @@ class SGLangInferenceBackend(KitBackend):
                     await sgl.control("/begin_weight_update", {})
                     try:
                         t0 = time.perf_counter()
-                        await sgl.call_hook("probe", probe_request(group_name, req.nbytes), self._tp)
+                        await sgl.call_hook("probe", group_name, req.nbytes, tp_size=self._tp)
                         return time.perf_counter() - t0
                     finally:
                         await sgl.control("/end_weight_update", {})

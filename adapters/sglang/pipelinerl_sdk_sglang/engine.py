@@ -224,18 +224,28 @@ class SGLangClient:
             raise SGLangError(f"SGLang {route} failed ({r.status_code}): {message or r.text[:500]}")
         return message
 
-    async def call_hook(self, hook: str, named_tensors: list[tuple[str, Any]], tp_size: int = 1) -> str:
+    async def call_hook(self, hook: str, *args: object, tp_size: int = 1) -> list[dict[str, Any]]:
         """Run a :mod:`.scheduler_hooks` function inside SGLang's scheduler (through
-        ``update_weights_from_tensor``; needs an open weight-update session)."""
+        ``update_weights_from_tensor``; needs an open weight-update session) with ``args``;
+        returns each TP rank's result. SGLangError if SGLang refused the call, a rank reported
+        an error, or a rank wrote no result."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
-        body = {
-            "serialized_named_tensors": [payload] * tp_size,
-            "load_format": scheduler_hooks.qualified(hook),
-            "flush_cache": False,
-        }
-        return await self.control("/update_weights_from_tensor", body)
+        with tempfile.TemporaryDirectory(prefix="pipelinerl-sglang-hook-") as tmp:
+            out = Path(tmp, hook)
+            request = scheduler_hooks.hook_request("|".join(str(a) for a in args), str(out))
+            body = {
+                "serialized_named_tensors": [MultiprocessingSerializer.serialize(request, output_str=True)] * tp_size,
+                "load_format": scheduler_hooks.qualified(hook),
+                "flush_cache": False,
+            }
+            await self.control("/update_weights_from_tensor", body)
+            results = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob(f"{hook}.*"))]
+        errors = [str(r["error"]) for r in results if "error" in r]
+        if errors or len(results) != tp_size:
+            why = errors[0] if errors else f"{len(results)} of {tp_size} ranks answered"
+            raise SGLangError(f"SGLang scheduler hook {hook} failed: {why}")
+        return results
 
 
 def new_api_key() -> str:

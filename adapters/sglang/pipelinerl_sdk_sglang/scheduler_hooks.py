@@ -12,6 +12,10 @@ paused by the adapter. The adapter uses that door for what SGLang's distributed 
   update leaves exactly the old weights serving.
 - :func:`probe`: receive one flat broadcast on the weight-update group and drop it (the SDK's
   ``/probe_broadcast``), to measure the link with SGLang's own receiver.
+- :func:`apply_floor`: SGLang's own apply of an update's tensors with no transfer, timed in the
+  scheduler (the SDK's ``/bench/apply_floor``): what one update's session does to the model
+  (``restore_weights_before_loading``, ``model.load_weights`` of every param under its HF name,
+  ``postprocess_weights``), the served weights copied aside before and back after.
 - :func:`sign_rendezvous`: the next ``tcp://host:port`` rendezvous of this process (SGLang's
   ``init_weights_update_group``) goes through the SDK's
   :class:`~pipelinerl_sdk.weights.signed_store.SignedStore` under the group's secret, so that
@@ -20,32 +24,43 @@ paused by the adapter. The adapter uses that door for what SGLang's distributed 
   its key). torch's ``tcp://`` rendezvous handler is wrapped once, in this process only, and
   wraps nothing but the one armed address.
 
-Payloads carry no tensor data (see :func:`probe_request`): SGLang's scheduler unpickles them with
-torch's shared-memory reductions, which fail (and kill the scheduler) across unrelated processes.
+How a hook is called (:func:`hook_request`, what the gateway sends): its arguments and the path
+its result goes to travel in the one name of ``named_tensors``; the tensor is empty, because
+SGLang unpickles tensors with torch's shared-memory reductions, which fail (and kill the
+scheduler) across unrelated processes. A hook never raises: SGLang does not catch an exception
+of a custom loader, and one ends its scheduler, hence the whole server (seen: a probe whose
+trainer went away would have taken SGLang down). Each hook writes ``{"ok": true, ...}`` or
+``{"error": "..."}`` as JSON to the result path plus ``.RANK`` (the scheduler's rank in SGLang's
+default group), which the gateway reads once the call returned.
 
-Nothing here is imported by the adapter's gateway process; keep it free of SDK imports except
-pure-Python ones, and of state other than the snapshot and the armed rendezvous.
+Nothing here is imported by the adapter's gateway process except :func:`hook_request`,
+:func:`qualified` and :data:`HOOKS`; keep it free of SDK imports except pure-Python ones, and of
+state other than the snapshot and the armed rendezvous.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 #: id(model) -> its parameters' copies (on CPU: host memory, never the accelerator's).
 _SNAPSHOTS: dict[int, dict[str, torch.Tensor]] = {}
-#: The last probe's receive seconds (logged; the adapter times the call itself).
-LAST_PROBE_S: list[float] = []
-
 #: (host, port) of a ``tcp://`` rendezvous armed by :func:`sign_rendezvous` -> the group's secret.
 _ARMED: dict[tuple[str, int], str] = {}
 #: The signed store of the group formed last (kept alive: its backend may call back into it; an
 #: older group was destroyed before a new one formed).
 _SIGNED: list[Any] = []
 
-HOOKS = ("snapshot", "restore", "discard", "probe", "sign_rendezvous")
+HOOKS = ("snapshot", "restore", "discard", "probe", "sign_rendezvous", "apply_floor")
 
 
 def qualified(hook: str) -> str:
@@ -53,40 +68,70 @@ def qualified(hook: str) -> str:
     return f"{__name__}.{hook}"
 
 
-@torch.no_grad()
-def snapshot(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
+def hook_request(args: str, result_path: str) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` of a hook call: its ``args`` (``|``-separated fields, see each hook)
+    and where its result goes, all in the name."""
+    return [(f"{args}|{result_path}", torch.empty(0, dtype=torch.uint8))]
+
+
+def _hook(fn: Callable[[torch.nn.Module, list[str]], dict[str, Any]]) -> Callable[[torch.nn.Module, Any], None]:
+    """A scheduler hook from ``fn(model, args) -> result``: never raises (see the module doc);
+    the result, or the error, written for the gateway."""
+
+    @functools.wraps(fn)
+    def hook(model: torch.nn.Module, named_tensors: Any) -> None:
+        try:
+            ((request, _),) = named_tensors
+            *args, result_path = str(request).split("|")
+        except Exception as e:  # no path to answer on: the gateway reports the missing result
+            log.error("pipelinerl: unreadable %s request: %s", fn.__name__, e)
+            return
+        try:
+            with torch.no_grad():
+                result: dict[str, Any] = {"ok": True, **fn(model, args)}
+        except Exception as e:
+            log.error("pipelinerl: %s failed: %s: %s", fn.__name__, type(e).__name__, e)
+            result = {"error": f"{type(e).__name__}: {e}"}
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        try:
+            Path(f"{result_path}.{rank}").write_text(json.dumps(result))
+        except Exception as e:
+            log.error("pipelinerl: could not write the result of %s: %s", fn.__name__, e)
+
+    return hook
+
+
+@_hook
+def snapshot(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
     """Copy every parameter of ``model`` to host memory (replacing an older snapshot)."""
     _SNAPSHOTS[id(model)] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    return {}
 
 
-@torch.no_grad()
-def restore(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
-    """Copy the snapshot back into ``model``'s parameters, then drop it. Raises KeyError if no
-    snapshot was taken (nothing is written then)."""
+@_hook
+def restore(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
+    """Copy the snapshot back into ``model``'s parameters, then drop it. An error (KeyError) if
+    no snapshot was taken (nothing is written then)."""
     saved = _SNAPSHOTS.pop(id(model))
     for n, p in model.named_parameters():
         p.copy_(saved[n])
+    return {}
 
 
-def discard(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
+@_hook
+def discard(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
     """Drop the snapshot (the update it guarded succeeded)."""
     _SNAPSHOTS.pop(id(model), None)
+    return {}
 
 
-def probe_request(group_name: str, nbytes: int) -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` of a :func:`probe` call. Everything travels in the name: the tensor
-    is empty because SGLang unpickles tensors with torch's shared-memory reductions, which cannot
-    cross into an unrelated process (the scheduler dies on them); an empty one pickles by value."""
-    return [(f"{group_name}|{nbytes}", torch.empty(0, dtype=torch.uint8))]
-
-
-def probe(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
-    """Receive one flat broadcast of the requested size from rank 0 of the named group (see
-    :func:`probe_request`) and drop it."""
+@_hook
+def probe(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
+    """Receive one flat broadcast from rank 0 of a group and drop it. Args: the group's name, the
+    bytes. Result: ``seconds`` of the receive."""
     from torch.distributed.distributed_c10d import _world
 
-    ((request, _),) = named_tensors
-    group_name, nbytes = request.rsplit("|", 1)
+    group_name, nbytes = args
     groups = {str(name): pg for pg, name in _world.pg_names.items()}
     if group_name not in groups:
         raise RuntimeError(f"no weight-update group {group_name!r} in this SGLang process")
@@ -94,13 +139,43 @@ def probe(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
     t0 = time.perf_counter()
     torch.distributed.broadcast(buf, src=0, group=groups[group_name])
-    LAST_PROBE_S[:] = [time.perf_counter() - t0]
+    return {"seconds": time.perf_counter() - t0}
 
 
-def sign_rendezvous_request(init_method: str, secret: str) -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` of a :func:`sign_rendezvous` call (everything in the name, as for
-    :func:`probe_request`): the group's ``tcp://host:port`` and its secret."""
-    return [(f"{init_method}|{secret}", torch.empty(0, dtype=torch.uint8))]
+@_hook
+def apply_floor(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
+    """Apply the model's checkpoint (its ``*.safetensors``, read first: the same names, shapes
+    and bytes an update of the served dtype carries) ``repeats`` times as one update's session
+    applies it, each apply timed alone; the served weights are copied aside first and back at
+    the end (bit-identical). Args: the model directory, the repeats. Result: ``seconds`` of each
+    apply. Runs inside a weight-update session (the state ``begin_weight_update`` left),
+    generation held; leaves that state."""
+    from safetensors.torch import load_file
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    model_dir, repeats = args
+    device = next(model.parameters()).device
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors")
+    checkpoint: dict[str, torch.Tensor] = {}
+    for f in files:
+        checkpoint.update(load_file(str(f), device=str(device)))
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}  # in the session's format
+    seconds = []
+    try:
+        DefaultModelLoader.postprocess_weights(model, device)  # as served, as an update starts
+        for _ in range(int(repeats)):
+            t0 = time.perf_counter()
+            DefaultModelLoader.restore_weights_before_loading(model, device)  # begin_weight_update
+            model.load_weights(iter(checkpoint.items()))  # type: ignore[operator]
+            DefaultModelLoader.postprocess_weights(model, device)  # end_weight_update
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        DefaultModelLoader.restore_weights_before_loading(model, device)
+        for n, p in model.named_parameters():
+            p.copy_(served[n])
+    return {"seconds": seconds}
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -112,28 +187,24 @@ def _address(url: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port
 
 
-def sign_rendezvous(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
-    """Arm the next ``tcp://`` rendezvous of this process at the requested address (see
-    :func:`sign_rendezvous_request`) to go through a :class:`SignedStore` under the secret; the
-    arming is used once. The first call wraps torch's ``tcp://`` handler (every other address is
-    left as torch makes it). Never raises: an exception in a hook ends SGLang's scheduler. A
-    request it cannot read is logged and arms nothing; SGLang then joins with plain values, which
-    the trainer's signed rendezvous refuses, so the group does not form."""
+@_hook
+def sign_rendezvous(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
+    """Arm the next ``tcp://`` rendezvous of this process at an address to go through a
+    :class:`SignedStore` under a secret; the arming is used once. Args: the group's
+    ``tcp://host:port``, its secret. The first call wraps torch's ``tcp://`` handler (every other
+    address is left as torch makes it). Should it fail, SGLang joins with plain values, which the
+    trainer's signed rendezvous refuses: the group does not form."""
     import importlib
-    import logging
 
-    try:
-        ((request, _),) = named_tensors
-        init_method, secret = request.rsplit("|", 1)
-        address = _address(init_method)
-        if not secret:
-            raise ValueError("the group's secret is empty")
-        handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
-        if not getattr(handlers["tcp"], "pipelinerl_signed", False):
-            handlers["tcp"] = _signing_handler(handlers["tcp"])
-        _ARMED[address] = secret
-    except Exception as e:
-        logging.getLogger(__name__).error("pipelinerl: could not arm a signed rendezvous: %s", e)
+    init_method, secret = args
+    address = _address(init_method)
+    if not secret:
+        raise ValueError("the group's secret is empty")
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    if not getattr(handlers["tcp"], "pipelinerl_signed", False):
+        handlers["tcp"] = _signing_handler(handlers["tcp"])
+    _ARMED[address] = secret
+    return {}
 
 
 def _signing_handler(plain: Any) -> Any:

@@ -293,6 +293,71 @@ def test_reference_trainer_updates_sglang_and_logprobs_agree(
         trainer.close()
 
 
+@requires_sglang
+def test_apply_floor_times_sglangs_load_and_puts_the_trained_weights_back(
+    sglang_server: ServerProcess, tiny_model: Path
+) -> None:
+    """After an update to trained weights (not the checkpoint's), the apply floor loads the
+    checkpoint's tensors through SGLang's own session steps inside its scheduler, timed there
+    (positive seconds, one per repeat), and puts the served weights back: every logprob and token
+    bit-identical to before it, the version unchanged."""
+    trainer = ReferenceTrainer()
+    trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20)
+            await pub.connect()
+            version = (await client.info()).version + 1
+            ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
+            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+            trainer.step()
+            async with pub.update(version, trainer.param_specs()) as sink:
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            before = await _scored(client)
+            floor = await client.apply_floor(3)
+            assert len(floor.seconds) == 3 and all(s > 0 for s in floor.seconds), floor
+            assert "load_weights" in floor.detail
+            after = await _scored(client)
+            assert after.choices[0].token_ids == before.choices[0].token_ids
+            assert after.prompt_token_logprobs() == before.prompt_token_logprobs()  # bit-identical
+            content = [c.choices[0].logprobs.content for c in (before, after) if c.choices[0].logprobs]
+            assert [t.logprob for t in content[0]] == [t.logprob for t in content[1]]
+            assert set(after.choices[0].weight_versions) == {version}
+            await pub.close()
+
+    try:
+        run(body)
+    finally:
+        trainer.close()
+
+
+@requires_sglang
+def test_a_failing_scheduler_hook_reports_its_error_and_sglang_lives_on(sglang_server: ServerProcess) -> None:
+    """SGLang does not catch a custom loader's exception: one ends its scheduler, hence the whole
+    server. A hook that fails (``restore`` with no snapshot taken) reports its error to the
+    gateway instead, and SGLang keeps generating."""
+    from pipelinerl_sdk_sglang.engine import SGLangClient, SGLangError
+
+    url, key = _sglang_child(sglang_server.pid)
+
+    async def body() -> None:
+        sgl = SGLangClient(url, key)
+        try:
+            await sgl.control("/begin_weight_update", {})
+            try:
+                with pytest.raises(SGLangError, match="hook restore failed: KeyError"):
+                    await sgl.call_hook("restore")
+            finally:
+                await sgl.control("/end_weight_update", {})
+            out = await sgl.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+            assert len(out["output_ids"]) == 2
+        finally:
+            await sgl.close()
+
+    run(body)
+
+
 # --- a direct receive holds generation, and only while it lasts -----------------------------------
 
 
