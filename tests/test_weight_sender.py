@@ -161,10 +161,11 @@ def test_any_mix_of_send_and_lend_delivers_every_byte(
 
 def test_a_slot_is_the_params_place_in_its_bucket_buffer(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:
     """Each slot lies in the sender's bucket buffer at its entry's offset (so ``send`` of it copies
-    nothing: the buffer already holds it); buckets alternate between the two buffers, the second
-    use of a buffer waiting for its first broadcast."""
+    nothing: the buffer already holds it). Slots are handed out ahead, for every param of the
+    bucket being filled and the next one (the other buffer, once its broadcast two buckets back is
+    over), None beyond; a name already sent or not in the plan is refused."""
     group, receiver = pair
-    params = model_params([(1000, torch.float32), (33, torch.bfloat16), (4096, torch.float32), (7, torch.int64)] * 2)
+    params = model_params([(1000, torch.float32), (33, torch.bfloat16), (1500, torch.float32), (7, torch.int64)] * 3)
     plan = BucketPlan.build([spec_of(n, t) for n, t in params], 8192)
     key = f"test/{next(_keys)}"
     staged: Future[StagedWeights] = Future()
@@ -172,23 +173,32 @@ def test_a_slot_is_the_params_place_in_its_bucket_buffer(pair: tuple[WeightSyncG
     rx.start()
     group.post_decision(key, go=True)
     sender = WeightSender(group, plan)
-    places = []
+    values = dict(params)
+    where = {e.spec.name: (b, e) for b in plan.buckets for e in b.entries}
+    places, beyond = [], []
     for bucket in plan.buckets:
+        ahead = [e.spec.name for b in plan.buckets[bucket.index : bucket.index + 2] for e in b.entries]
+        later = [e.spec.name for b in plan.buckets[bucket.index + 2 :] for e in b.entries]
+        slots = {name: sender.slot(name) for name in ahead}  # this bucket's and the next one's
+        beyond += [sender.slot(name) is None for name in later]
         for entry in bucket.entries:
             name = entry.spec.name
-            with pytest.raises(SendOrderError, match="expected param"):
-                sender.slot("not-" + name)
-            dst = sender.slot(name)
-            assert (dst.dtype, tuple(dst.shape)) == (dict(params)[name].dtype, tuple(dict(params)[name].shape))
-            dst.copy_(dict(params)[name])
+            dst = slots[name]
+            assert dst is not None and (dst.dtype, tuple(dst.shape)) == (values[name].dtype, tuple(values[name].shape))
+            dst.copy_(values[name])
             assert sender.buffers is not None
-            buffer = sender.buffers[bucket.index % 2]
-            places.append(dst.data_ptr() - buffer.data_ptr() == entry.offset)
+            b, e = where[name]
+            places.append(dst.data_ptr() - sender.buffers[b.index % 2].data_ptr() == e.offset)
             sender.send(name, dst)
+            with pytest.raises(SendOrderError, match="not a param of the plan still to send"):
+                sender.slot(name)
+    with pytest.raises(SendOrderError, match="not a param of the plan still to send"):
+        sender.slot("no-such-param")
     stats = sender.finish()
     rx.join(30)
     group.clear_decision(key)
-    assert all(places) and stats.buckets == len(plan.buckets) >= 3
+    assert all(places) and stats.buckets == len(plan.buckets) >= 4
+    assert beyond and all(beyond)
     assert_received(params, staged.result(timeout=1))
 
 

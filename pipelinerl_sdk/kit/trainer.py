@@ -80,6 +80,7 @@ from pipelinerl_sdk.protocol import ParamSpec
 from pipelinerl_sdk.weights.tensors import hf_name, spec_of
 
 __all__ = [
+    "DIRECT_MIN_BYTES",
     "FlatShard",
     "FullParamsOut",
     "KitTrainer",
@@ -170,19 +171,33 @@ class UnitBuffers:
         self._free.append(buf if buf._base is None else buf._base)
 
 
-class UnitGather:
-    """One gather unit's all-gather, started on construction: every param of the unit that
-    ``shard_of`` describes (default :func:`dtensor_shard`: FSDP2's layout), all in one group, goes
-    out in ONE asynchronous ``all_gather_single`` of the unit's flat shard (in place: this rank's
-    slice of the output is the input, so the only allocation is the output, one unit);
-    :meth:`tensors` waits for it and yields each full tensor, copied out of the output one at a
-    time: into ``into(name)`` where that gives a tensor (a sink's slot, see
-    :func:`~pipelinerl_sdk.contracts.slot_of`: the copy-out is then the only copy), else into a
-    new tensor. Any other param is yielded as :func:`full_tensor` makes it (a DTensor: a
-    collective each) when its turn comes. Every rank must build the same units in the same order.
+#: A param of at least this many bytes whose shards are all whole (its rows divide evenly over
+#: the ranks) is all-gathered on its own, straight into its destination; smaller ones, and uneven
+#: ones, share one all-gather of their flat shards.
+DIRECT_MIN_BYTES = 1 << 20
 
-    ``buffers``: where the output comes from and goes back to once the last tensor is copied out
-    of it, one :class:`UnitBuffers` for a whole pass (:class:`UnitGathers` makes one)."""
+
+class UnitGather:
+    """One gather unit's all-gathers, all started (asynchronously) on construction, for every
+    param of the unit that ``shard_of`` describes (default :func:`dtensor_shard`: FSDP2's layout),
+    all in one group:
+
+    - a param of at least :data:`DIRECT_MIN_BYTES` whose shards are whole is all-gathered on its
+      own (``all_gather_into_tensor``) straight into its destination: ``into(name)`` where that
+      gives a tensor (a sink's slot, see :func:`~pipelinerl_sdk.contracts.slot_of`: the collective
+      writes where the sink reads, and nothing is copied at all), else a new tensor;
+    - the others (small ones, uneven shards) share ONE ``all_gather_single`` of their flat shards
+      (in place: this rank's slice of the output is the input), each then copied out into its
+      destination, chosen the same way.
+
+    Why not one all-gather of the whole unit's flat shard: its copy-in and copy-out cost two
+    passes over the unit's bytes, and on gloo a message of a whole layer runs out of cache; on two
+    CPU ranks the per-param collectives into place took 0.7x the time of that one all-gather
+    (README, ``pipelinerl bench gather``). :meth:`tensors` waits for each param's collective in
+    turn and yields each full tensor; any other param is yielded as :func:`full_tensor` makes it
+    (a DTensor: a collective each) when its turn comes. Every rank must build the same units in
+    the same order. ``buffers``: where the shared all-gather's output comes from and goes back to
+    once the last tensor is copied out of it (:class:`UnitGathers` shares one over a pass)."""
 
     def __init__(
         self,
@@ -193,71 +208,102 @@ class UnitGather:
         buffers: UnitBuffers | None = None,
     ) -> None:
         self._params = list(params)
-        self._slots: dict[int, tuple[int, FlatShard]] = {}  # index -> (byte offset in a rank's part, shard)
+        self._into: Into | None = None
+        self._dst: dict[int, torch.Tensor] = {}  # index -> where its own all-gather writes
+        self._direct: dict[int, Any] = {}  # index -> its own all-gather's work (None: world 1)
+        self._flat: dict[int, tuple[int, FlatShard]] = {}  # index -> (byte offset in a rank's part, shard)
         self._out: torch.Tensor | None = None
         self._work: Any = None
         self._per_rank = 0
-        self._into = into
         self._buffers = buffers or UnitBuffers()
         #: Another unit's gather may start while this one's tensors are handed out (not on gloo:
-        #: the next unit's all-gather would hold its output and gloo's temporary beside this
+        #: the next unit's all-gathers would hold their outputs and gloo's temporaries beside this
         #: unit's tensors, even when this unit needed no collective).
         self.prefetch = not (dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo")
+        shards: dict[int, FlatShard] = {}
         group: Any = None
         for i, (_, p) in enumerate(self._params):
             shard = shard_of(p)
             if shard is None or (group is not None and shard.group != group):
                 continue
             group = shard.group
-            self._slots[i] = (self._per_rank, shard)
-            self._per_rank += shard.chunk * shard.row_bytes
-        if not self._slots:
+            shards[i] = shard
+        if not shards:
             return
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        first = next(iter(self._slots.values()))[1]
-        out = self._buffers.take(world * self._per_rank, first.local.device)
-        mine = out[rank * self._per_rank : (rank + 1) * self._per_rank]
-        for offset, shard in self._slots.values():
-            raw = shard.local.reshape(-1).view(torch.uint8)[: shard.chunk * shard.row_bytes]
-            mine[offset : offset + raw.numel()].copy_(raw)
-        self._out = out
-        if world == 1:  # the copy above was the whole gather
-            return
-        self._work = dist.all_gather_single(out, mine, group=group, async_op=True)
-        # gloo all-gathers into a temporary of the whole output, then copies: a unit in flight
-        # costs two units there, so no second one may be started beside it
+        self._into = into
+        for i, shard in shards.items():
+            whole = shard.chunk * world == shard.rows and shard.local.numel() * shard.local.element_size() == (
+                shard.chunk * shard.row_bytes
+            )
+            if whole and shard.rows * shard.row_bytes >= DIRECT_MIN_BYTES:
+                self._dst[i] = _destination(self._params[i][0], shard, into)
+                out, local = self._dst[i].view(-1), shard.local.reshape(-1)
+                if world == 1:
+                    out.copy_(local)
+                    self._direct[i] = None
+                else:
+                    self._direct[i] = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+            else:
+                self._flat[i] = (self._per_rank, shard)
+                self._per_rank += shard.chunk * shard.row_bytes
+        if self._flat:
+            out = self._buffers.take(world * self._per_rank, shards[next(iter(self._flat))].local.device)
+            mine = out[rank * self._per_rank : (rank + 1) * self._per_rank]
+            for offset, shard in self._flat.values():
+                raw = shard.local.reshape(-1).view(torch.uint8)[: shard.chunk * shard.row_bytes]
+                mine[offset : offset + raw.numel()].copy_(raw)
+            self._out = out
+            if world > 1:  # (at world size 1 the copy above was the whole gather)
+                self._work = dist.all_gather_single(out, mine, group=group, async_op=True)
+        # gloo all-gathers into temporaries of the outputs, then copies: a unit in flight costs
+        # two units there, so no second one may be started beside it
         self.prefetch = dist.get_backend(group) != "gloo"
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each param of the unit, full, in the unit's order (waits for the all-gather first)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        last = max(self._slots, default=-1)
+        """Each param of the unit, full, in the unit's order (each waits for its all-gather)."""
+        last_flat = max(self._flat, default=-1)
         for i, (name, p) in enumerate(self._params):
-            slot = self._slots.get(i)
-            if slot is None:
+            if i in self._direct:
+                full = self._dst.pop(i)  # (the caller's reference is the last one)
+                work = self._direct.pop(i)
+                if work is not None:
+                    work.wait()
+                yield name, full
+                del full
+                continue
+            if i not in self._flat:
                 yield name, full_tensor(p)
                 continue
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
             out = self._out
             assert out is not None
-            offset, shard = slot
+            offset, shard = self._flat[i]
             chunk, rows, row_bytes = shard.chunk, shard.rows, shard.row_bytes
-            full = self._into(name) if self._into is not None else None
-            if full is None:
-                full = torch.empty(shard.shape, dtype=shard.dtype, device=out.device)
-            elif tuple(full.shape) != shard.shape or full.dtype != shard.dtype or not full.is_contiguous():
-                raise ValueError(f"{name!r}: slot {full.dtype} {tuple(full.shape)}, param {shard.dtype} {shard.shape}")
+            full = _destination(name, shard, self._into)  # only now: one such tensor at a time
             raw = full.view(-1).view(torch.uint8)
             for r in range(-(-rows // chunk)):
                 n = min(chunk, rows - r * chunk) * row_bytes
                 src = r * self._per_rank + offset
                 raw[r * chunk * row_bytes : r * chunk * row_bytes + n].copy_(out[src : src + n])
-            if i == last:  # the last copy-out: nothing reads the output any more
+            if i == last_flat:  # the last copy-out: nothing reads the output any more
                 self._out = None
                 self._buffers.give(out)
             yield name, full
             del full, raw
+
+
+def _destination(name: str, shard: FlatShard, into: Into | None) -> torch.Tensor:
+    """Where param ``name``'s full value goes: ``into(name)`` if that gives a tensor (checked:
+    ValueError naming the param for a wrong one), else a new tensor."""
+    dst = into(name) if into is not None else None
+    if dst is None:
+        return torch.empty(shard.shape, dtype=shard.dtype, device=shard.local.device)
+    if tuple(dst.shape) != shard.shape or dst.dtype != shard.dtype or not dst.is_contiguous():
+        raise ValueError(f"{name!r}: slot {dst.dtype} {tuple(dst.shape)}, param {shard.dtype} {shard.shape}")
+    return dst
 
 
 class UnitGathers:

@@ -5,9 +5,10 @@ Three ways to hand over a param, in plan order:
 - :meth:`WeightSender.send` copies the tensor into one of two bucket buffers before it returns, so
   the caller may free or reuse it at once (a gathered layer, say). Packing bucket k+1 overlaps the
   broadcast of bucket k.
-- :meth:`WeightSender.slot` gives the place in those buffers where the next param goes: a trainer
-  that makes the full tensor itself (a gather's copy-out) writes it there, then hands that same
-  tensor to :meth:`~WeightSender.send`, which then copies nothing.
+- :meth:`WeightSender.slot` gives the place in those buffers where a param still to send goes (the
+  bucket being filled or the next one): a trainer that makes the full tensor itself (a gather
+  writing its output there) fills it, then hands that same tensor to :meth:`~WeightSender.send`,
+  which then copies nothing.
 - :meth:`WeightSender.lend` promises the tensor stays alive and unchanged until :meth:`finish`
   returns. When every param of a bucket is lent and they lie in one storage at the plan's
   offsets (a trainer that keeps its params in one buffer in the :func:`~pipelinerl_sdk.weights.
@@ -63,6 +64,7 @@ class WeightSender:
         self._group = group
         self._plan = plan
         self._order = [(b, e) for b in plan.buckets for e in b.entries]
+        self._position = {e.spec.name: i for i, (_, e) in enumerate(self._order)}
         self._next = 0
         size = plan.max_bucket_bytes
         if buffers is not None and (len(buffers) != 2 or any(b.numel() < size for b in buffers)):
@@ -75,6 +77,7 @@ class WeightSender:
         self._in_place: tuple[int, int] | None = None  # (storage data_ptr, byte offset of the bucket)
         self._packing = False
         self._opened = -1  # index of the bucket being filled (its buffer slot drained)
+        self._slotted: set[int] = set()  # buckets a slot was handed out in: packed, never lent in place
         self._started = time.perf_counter()
         self._sent = 0
         self._in_place_count = 0
@@ -98,15 +101,26 @@ class WeightSender:
         self._copy(bucket, entry, tensor)
         self._close_if_full(bucket, entry)
 
-    def slot(self, name: str) -> torch.Tensor:
-        """Where the next param, ``name``, goes: a writable tensor of its dtype and shape in its
-        bucket's buffer. Fill it, then :meth:`send` it (no copy is made). Valid until that
-        ``send``; anything else handed over first overwrites or abandons it. The buffer's previous
-        broadcast has completed when this returns. SendOrderError if ``name`` is not next."""
-        bucket, entry = self._expect(name)
-        self._open(bucket)
-        self._pack_lent(bucket)
-        self._packing = True
+    def slot(self, name: str) -> torch.Tensor | None:
+        """Where param ``name``, still to send, goes: a writable tensor of its dtype and shape in
+        its bucket's buffer, or None when that bucket lies beyond the one after the bucket being
+        filled (only two buffers). Fill it, then :meth:`send` it in its turn (no copy is made).
+        Valid until that ``send``. The buffer's previous broadcast has completed when this
+        returns (it may wait for it). SendOrderError if ``name`` is not a param still to send."""
+        i = self._position.get(name, -1)
+        if i < self._next:
+            raise SendOrderError(f"{name!r}: not a param of the plan still to send")
+        bucket, entry = self._order[i]
+        filling = self._order[self._next][0]
+        if bucket.index > filling.index + 1:
+            return None
+        if bucket is filling:
+            self._open(bucket)
+            self._pack_lent(bucket)
+            self._packing = True
+        else:  # the next bucket: its buffer's last broadcast (two buckets back) must be over
+            self._drain(bucket.index % 2)
+        self._slotted.add(bucket.index)
         spec = entry.spec
         raw = self._buffer(bucket)[entry.offset : entry.offset + spec.nbytes]
         return raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
@@ -154,7 +168,7 @@ class WeightSender:
         if self._opened != bucket.index:
             self._opened = bucket.index
             self._drain(bucket.index % 2)  # at most two broadcasts in flight; the slot's buffer is free
-            self._lent, self._in_place, self._packing = [], None, False
+            self._lent, self._in_place, self._packing = [], None, bucket.index in self._slotted
 
     def _take(self, name: str, tensor: torch.Tensor) -> tuple[Bucket, BucketEntry]:
         """Check ``tensor`` is the param the plan expects next and advance; a new bucket waits
