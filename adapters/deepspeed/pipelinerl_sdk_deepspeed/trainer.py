@@ -16,13 +16,14 @@ Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend
 - ``step`` clips to exactly ``spec.grad_clip`` (DeepSpeed's ``gradient_clipping``, 0 = off; its
   default of 1.0 is never used); reports DeepSpeed's global (pre-clip) grad norm and the lr;
 - ``gather_and_broadcast``: ZeRO-3 gathers one unit (a decoder layer; each parameter outside the
-  layers) at a time with one all-gather of the unit's ZeRO-3 partitions (``ds_tensor``, read only:
-  the kit's :class:`~pipelinerl_sdk.kit.trainer.UnitGather` with :func:`zero3_shard`, through
+  layers) at a time from the ZeRO-3 partitions (``ds_tensor``, read only: the kit's
+  :class:`~pipelinerl_sdk.kit.trainer.UnitGather` with :func:`zero3_shard`, through
   :func:`~pipelinerl_sdk.kit.trainer.stream_units`: the next unit in flight while this one is sent,
-  except on gloo): extra memory within two layers plus one param. (DeepSpeed's own
-  ``all_gather_coalesced`` also issues one collective per unit, but allocates an input copy
-  beside its output: 3.0 layers on gloo.) ZeRO-1/2 hold full parameters on every rank: rank 0
-  lends them (unchanged until the next ``step``).
+  except on gloo): a large param whose partitions hold no padding is all-gathered straight into
+  the sender's bucket, the others with one all-gather of their partitions; extra memory within two
+  layers plus one param. (DeepSpeed's own ``all_gather_coalesced`` allocates an input copy beside
+  its output: 3.0 layers on gloo.) ZeRO-1/2 hold full parameters on every rank: rank 0 lends them
+  (unchanged until the next ``step``).
 
 Options (``TrainerSpec.options``): ``zero_stage`` (1, 2 or 3), ``mixed_precision`` = ``"bf16"``
 (DeepSpeed's bf16 mode: bfloat16 module parameters, which are what ``param_specs`` reports and

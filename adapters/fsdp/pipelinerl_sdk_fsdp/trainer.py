@@ -13,10 +13,12 @@ Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend
   every backward call of every rank since the last ``step``;
 - ``step`` clips the global norm over the DTensor shards to exactly ``spec.grad_clip`` (the kit's
   default; None: no clipping, the norm is still reported);
-- ``gather_and_broadcast`` is the kit's default: one all-gather per decoder layer (and per param
-  outside the layers) of the unit's flat shard (:func:`~pipelinerl_sdk.kit.trainer.stream_units`,
-  the next unit in flight except on gloo); extra memory within two layers plus one param; rank 0
-  hands each tensor to the sink under its HF name, in ``param_specs()`` order.
+- ``gather_and_broadcast`` is the kit's default, one decoder layer (and each param outside the
+  layers) at a time (:func:`~pipelinerl_sdk.kit.trainer.stream_units`, the next unit in flight
+  except on gloo): each large param with whole shards all-gathered straight into the sender's
+  bucket, the small ones with one all-gather of their flat shards
+  (:class:`~pipelinerl_sdk.kit.trainer.UnitGather`); extra memory within two layers plus one
+  param; rank 0 hands each tensor to the sink under its HF name, in ``param_specs()`` order.
 
 Options (``TrainerSpec.options``): ``mixed_precision`` = ``"bf16"`` computes in bfloat16 with
 float32 master weights and float32 gradient reduction; ``reshard_after_forward`` (default True).

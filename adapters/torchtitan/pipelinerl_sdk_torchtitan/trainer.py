@@ -17,13 +17,13 @@ Contract (see :class:`pipelinerl_sdk.contracts.TrainerBackend`), as this backend
 - ``step`` clips to exactly ``spec.grad_clip`` with TorchTitan's ``clip_grad_norm_`` (None: no
   clipping, the norm is still reported), steps, zeroes gradients;
 - ``gather_and_broadcast`` walks the model one unit at a time (embeddings, each decoder layer, final
-  norm, lm_head): one all-gather of the unit's flat shard (the kit's
-  :class:`~pipelinerl_sdk.kit.trainer.UnitGather`, through
+  norm, lm_head): the kit's :class:`~pipelinerl_sdk.kit.trainer.UnitGather` (each large param
+  with whole shards all-gathered on its own, the small ones with one all-gather), through
   :func:`~pipelinerl_sdk.kit.trainer.stream_units`: the next unit in flight meanwhile, except on
   gloo), the fused QKV split by TorchTitan's own save hook, ``to_hf`` of that unit alone, and rank 0
   hands each tensor to the sink under its HF name in ``param_specs()`` order. Extra memory: the
-  unit's all-gather output and its full parameters (plus the split copy of its QKV weight), the
-  next unit's output where prefetching; the sink owns bucketing;
+  unit's full parameters (plus the split copy of its QKV weight), the next unit's where
+  prefetching; the sink owns bucketing;
 - every FSDP unit reshards after forward (``fsdp_reshard_after_forward="always"``): TorchTitan's default
   keeps the last unit unsharded, and then a ``forward`` between ``backward`` and ``step`` loses part of
   the accumulated gradient;
