@@ -132,6 +132,7 @@ class TorchTitanTrainer(KitTrainer):
         super().__init__()
         self.adapter: Any = None
         self._specs: list[ParamSpec] | None = None
+        self._renamed: dict[str, str] | None = None
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -187,7 +188,7 @@ class TorchTitanTrainer(KitTrainer):
             model.init_states(buffer_device=self.device)  # RoPE cache (params are overwritten below)
 
         self.adapter = mspec.state_dict_adapter(mspec.model, None)
-        self._specs = None
+        self._specs = self._renamed = None
         self._load_hf(model, read_hf_checkpoint(spec.model))
         model.train()
         return model
@@ -269,6 +270,11 @@ class TorchTitanTrainer(KitTrainer):
         else:
             for name, p in module.named_parameters():
                 titan[prefix + name] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        return self._to_hf(prefix, module, titan)
+
+    def _to_hf(self, prefix: str, module: torch.nn.Module, titan: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``titan`` (one unit's tensors under TorchTitan names, changed in place) under HF names:
+        the fused QKV split by TorchTitan's own save hook, then ``to_hf``."""
         for name, sub in module.named_modules():
             if isinstance(sub, FusedQKVLinear):  # TorchTitan's own save hook: wqkv -> wq, wk, wv
                 FusedQKVLinear._split_qkv_on_save(sub, titan, f"{prefix}{name}.", None)
@@ -277,6 +283,21 @@ class TorchTitanTrainer(KitTrainer):
         if sum(t.numel() for t in hf.values()) != n_in:
             raise RuntimeError(f"{prefix}: to_hf dropped tensors of {sorted(titan)} (got {sorted(hf)})")
         return hf
+
+    def _renames(self) -> dict[str, str]:
+        """TorchTitan name -> HF name of every param that the conversion only renames (``to_hf``
+        hands the very tensor on: no split, no permutation), found once on meta placeholders."""
+        if self._renamed is None:
+            self._renamed = {}
+            for prefix, unit in self._units(self.model):
+                titan = {
+                    prefix + n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in unit.named_parameters()
+                }
+                ids = {id(t): n for n, t in titan.items()}
+                for hf_name, t in self._to_hf(prefix, unit, dict(titan)).items():
+                    if id(t) in ids:
+                        self._renamed[ids[id(t)]] = hf_name
+        return self._renamed
 
     def param_specs(self) -> list[ParamSpec]:
         model, _, _ = self._require()
@@ -289,10 +310,16 @@ class TorchTitanTrainer(KitTrainer):
         return list(self._specs)
 
     def full_params(self, into: Into | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """One unit at a time: its full params (one all-gather, buffers reused over the pass), the
-        fused QKV split, ``to_hf`` of that unit alone. ``into`` is not used: the gather's tensors
-        are TorchTitan's, under TorchTitan's names, and ``to_hf`` makes the HF ones."""
-        gathers = UnitGathers()
+        """One unit at a time: its full params (the kit's unit gather, buffers reused over the
+        pass), the fused QKV split, ``to_hf`` of that unit alone. A param the conversion only
+        renames is gathered straight into ``into`` of its HF name (the sink's slot: no copy);
+        the others (the split QKV, the permuted Q and K) are made by the conversion."""
+        renamed = self._renames() if into is not None else {}
+
+        def into_titan(name: str) -> torch.Tensor | None:
+            return into(renamed[name]) if into is not None and name in renamed else None
+
+        gathers = UnitGathers(into=into_titan)
         return stream_units(self._units(self.model), lambda unit: self._start_unit(unit, gathers))
 
     def _start_unit(self, unit: tuple[str, torch.nn.Module], gathers: UnitGathers) -> _TitanUnit:
@@ -303,3 +330,4 @@ class TorchTitanTrainer(KitTrainer):
     def release(self) -> None:
         self.adapter = None
         self._specs = None
+        self._renamed = None

@@ -355,3 +355,56 @@ def test_tensor_parallel_2_equals_world_size_1(tmp_path: Path) -> None:
     tiny = build_tiny_model(tmp_path / "tiny-qwen3", arch="qwen3")
     with pytest.raises(Exception, match="must divide num_key_value_heads=1"):
         run_ranks(2, _tp_job, (tiny, 2), timeout_s=300)
+
+
+class _SlotSink:
+    """A sink with slots, as the SDK's sender has: records, per param sent, whether it arrived in
+    its slot (nothing left to copy) and its value."""
+
+    def __init__(self, specs: list[Any]) -> None:
+        self.slots = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        self.got: dict[str, tuple[bool, torch.Tensor]] = {}
+
+    def slot(self, name: str) -> torch.Tensor:
+        return self.slots[name]
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        self.got[name] = (tensor.data_ptr() == self.slots[name].data_ptr(), tensor.clone())
+
+
+def _gather_into_slots(ctx: RankContext, model: str) -> dict[str, Any]:
+    from pipelinerl_sdk.plugins import load_registry
+
+    trainer = load_registry().create_trainer("torchtitan")
+    trainer.init(TrainerSpec(model=model))
+    try:
+        expected = trainer.state_dict_hf()
+        sink = _SlotSink(trainer.param_specs()) if ctx.is_main else None
+        trainer.gather_and_broadcast(sink)
+        if sink is None:
+            return {}
+        return {
+            "order": list(sink.got) == [s.name for s in trainer.param_specs()],
+            "equal": all(torch.equal(t, expected[n]) for n, (_, t) in sink.got.items()),
+            "in_slot": sorted(n for n, (placed, _) in sink.got.items() if placed),
+            "copied": sorted(n for n, (placed, _) in sink.got.items() if not placed),
+        }
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_params_the_conversion_only_renames_are_gathered_into_the_sinks_slots(
+    models: dict[str, Path], arch: str
+) -> None:
+    """At world size 2, with a sink that offers slots (as the SDK's sender does), every param that
+    ``to_hf`` only renames is gathered straight into its slot (the sender then copies nothing);
+    what the conversion makes (the split of the fused QKV, weights and Qwen2's biases; Llama's
+    permuted Q and K) is sent as made. Values and order as ``state_dict_hf`` gives them."""
+    out = run_ranks(2, _gather_into_slots, str(models[arch]), timeout_s=600)[0]
+    assert out["order"] and out["equal"]
+    made = set(out["copied"])
+    qkv = tuple(f"{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias"))
+    assert made and all(n.endswith(qkv) for n in made), made
+    assert any(n.endswith("mlp.down_proj.weight") for n in out["in_slot"])
+    assert any(n.endswith("o_proj.weight") for n in out["in_slot"]) and "model.norm.weight" in out["in_slot"]
