@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import math
 import os
 import signal
@@ -33,7 +32,7 @@ from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
-from pipelinerl_sdk.testing.security import forge, outsider, replace_a_waiting_trainer, take_rank_zero
+from pipelinerl_sdk.testing.security import forge, outsider, replace_a_waiting_trainer, take_rank_zero_while_it_forms
 from pipelinerl_sdk.weights.auth import new_group_secret
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import WeightPublisher, free_port
@@ -157,19 +156,8 @@ def test_an_outsider_cannot_take_a_members_place_while_the_group_forms(signed: b
             WeightSyncGroup(cfg)
 
     threading.Thread(target=trainer, daemon=True).start()
-    host, port = parse_init_method(init)
-    watcher = torch.distributed.TCPStore(  # type: ignore[attr-defined]
-        host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=10)
-    )
+    attacker = take_rank_zero_while_it_forms(init, fill=7.0)
     deadline = time.monotonic() + 10
-    while not (keys := [k for k in watcher.list_keys() if k.endswith("//cpu//0/0")]):
-        assert time.monotonic() < deadline, "the trainer never wrote its rendezvous value"
-        time.sleep(0.01)
-    trainers = bytes(watcher.get(keys[0]))
-    attacker = take_rank_zero(init, fill=7.0)
-    while bytes(watcher.get(keys[0])) == trainers:  # until the outsider wrote its address over it
-        assert time.monotonic() < deadline, "the outsider never wrote its address"
-        time.sleep(0.01)
     joining = dataclasses.replace(cfg, rank=1)
     if not signed:  # the outsider is the server's rank 0: it feeds it (or, when the trainer's own
         # connection races it in gloo's handshake, the group breaks on the first broadcast)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -50,14 +50,7 @@ def transfer(
 ) -> tuple[SendStats, StagedWeights, WeightSender]:
     """One update of ``params``; ``how[i]`` is ``send``, ``lend``, ``lend-copy`` (a lent clone:
     right values, wrong place) or ``slot`` (written in the sender's slot, then sent)."""
-    group, receiver = pair
-    plan = BucketPlan.build([spec_of(n, t) for n, t in params], bucket_bytes)
-    key = f"test/{next(_keys)}"
-    staged: Future[StagedWeights] = Future()
-    rx = threading.Thread(target=lambda: staged.set_result(receiver.receive(plan, key, decision_timeout_s=30)))
-    rx.start()
-    group.post_decision(key, go=True)
-    sender = WeightSender(group, plan)
+    sender, received = start(pair, BucketPlan.build([spec_of(n, t) for n, t in params], bucket_bytes))
     for (name, tensor), mode in zip(params, how, strict=True):
         if mode == "send":
             sender.send(name, tensor)
@@ -70,9 +63,27 @@ def transfer(
         else:
             sender.lend(name, tensor.clone())
     stats = sender.finish()
-    rx.join(30)
-    group.clear_decision(key)
-    return stats, staged.result(timeout=1), sender
+    return stats, received(), sender
+
+
+def start(
+    pair: tuple[WeightSyncGroup, WeightReceiver], plan: BucketPlan
+) -> tuple[WeightSender, Callable[[], StagedWeights]]:
+    """One update of ``plan``: rank 1 receives (a thread), the trainer's go is posted; returns the
+    sender and a function that waits for what rank 1 received (and clears the decision)."""
+    group, receiver = pair
+    key = f"test/{next(_keys)}"
+    staged: Future[StagedWeights] = Future()
+    rx = threading.Thread(target=lambda: staged.set_result(receiver.receive(plan, key, decision_timeout_s=30)))
+    rx.start()
+    group.post_decision(key, go=True)
+
+    def received() -> StagedWeights:
+        rx.join(30)
+        group.clear_decision(key)
+        return staged.result(timeout=1)
+
+    return WeightSender(group, plan), received
 
 
 def model_params(sizes: list[tuple[int, torch.dtype]], seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -164,15 +175,9 @@ def test_a_slot_is_the_params_place_in_its_bucket_buffer(pair: tuple[WeightSyncG
     nothing: the buffer already holds it). Slots are handed out ahead, for every param of the
     bucket being filled and the next one (the other buffer, once its broadcast two buckets back is
     over), None beyond; a name already sent or not in the plan is refused."""
-    group, receiver = pair
     params = model_params([(1000, torch.float32), (33, torch.bfloat16), (1500, torch.float32), (7, torch.int64)] * 3)
     plan = BucketPlan.build([spec_of(n, t) for n, t in params], 8192)
-    key = f"test/{next(_keys)}"
-    staged: Future[StagedWeights] = Future()
-    rx = threading.Thread(target=lambda: staged.set_result(receiver.receive(plan, key, decision_timeout_s=30)))
-    rx.start()
-    group.post_decision(key, go=True)
-    sender = WeightSender(group, plan)
+    sender, received = start(pair, plan)
     values = dict(params)
     where = {e.spec.name: (b, e) for b in plan.buckets for e in b.entries}
     places, beyond = [], []
@@ -195,11 +200,9 @@ def test_a_slot_is_the_params_place_in_its_bucket_buffer(pair: tuple[WeightSyncG
     with pytest.raises(SendOrderError, match="not a param of the plan still to send"):
         sender.slot("no-such-param")
     stats = sender.finish()
-    rx.join(30)
-    group.clear_decision(key)
     assert all(places) and stats.buckets == len(plan.buckets) >= 4
     assert beyond and all(beyond)
-    assert_received(params, staged.result(timeout=1))
+    assert_received(params, received())
 
 
 def test_flatten_params_keeps_values_objects_and_training(pair: tuple[WeightSyncGroup, WeightReceiver]) -> None:

@@ -17,7 +17,7 @@ from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
 from pipelinerl_sdk.weights.publisher import WeightPublisher
 
-__all__ = ["forge", "outsider", "replace_a_waiting_trainer", "take_rank_zero"]
+__all__ = ["forge", "outsider", "replace_a_waiting_trainer", "take_rank_zero", "take_rank_zero_while_it_forms"]
 
 
 def outsider(pub: WeightPublisher) -> Any:
@@ -89,3 +89,25 @@ def take_rank_zero(init_method: str, fill: float, timeout_s: float = 10.0) -> th
     thread.outcome = None  # type: ignore[attr-defined]
     thread.start()
     return thread
+
+
+def take_rank_zero_while_it_forms(init_method: str, fill: float, timeout_s: float = 10.0) -> threading.Thread:
+    """Once the trainer (rank 0 of a group forming at ``init_method``) has written its rendezvous
+    value, an outsider (:func:`take_rank_zero`) writes its own address over it; returns once the
+    value in the store is the outsider's, with the outsider's thread (AssertionError if either
+    write does not come within ``timeout_s``). A member joining from now on reads the outsider's
+    address as rank 0's."""
+    host, port = parse_init_method(init_method)
+    watcher = dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    deadline = time.monotonic() + timeout_s
+    while not (keys := [k for k in watcher.list_keys() if k.endswith("//cpu//0/0")]):
+        assert time.monotonic() < deadline, "the trainer never wrote its rendezvous value"
+        time.sleep(0.01)
+    trainers = bytes(watcher.get(keys[0]))
+    attacker = take_rank_zero(init_method, fill=fill, timeout_s=timeout_s)
+    while bytes(watcher.get(keys[0])) == trainers:  # until the outsider wrote its address over it
+        assert time.monotonic() < deadline, "the outsider never wrote its address"
+        time.sleep(0.01)
+    return attacker

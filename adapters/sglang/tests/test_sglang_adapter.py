@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import importlib.util
 import json
 import os
@@ -36,9 +35,9 @@ from pipelinerl_sdk.contracts import TokenBatch, TrainerSpec
 from pipelinerl_sdk.errors import GroupError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
-from pipelinerl_sdk.protocol import ChatCompletionResponse, parse_init_method
+from pipelinerl_sdk.protocol import ChatCompletionResponse
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
-from pipelinerl_sdk.testing.security import outsider, take_rank_zero
+from pipelinerl_sdk.testing.security import outsider, take_rank_zero_while_it_forms
 from pipelinerl_sdk.weights.auth import new_group_secret
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import WeightPublisher, free_port
@@ -242,6 +241,18 @@ async def _scored(client: InferenceClient) -> ChatCompletionResponse:
     return await client.chat(body)
 
 
+def _step(trainer: ReferenceTrainer, seed: int) -> None:
+    """One optimizer step of ``trainer`` on two random sequences: weights no server holds yet."""
+    ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(seed)).tolist()
+    trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
+    trainer.step()
+
+
+async def _publish(pub: WeightPublisher, trainer: ReferenceTrainer, version: int) -> None:
+    async with pub.update(version, trainer.param_specs()) as sink:
+        await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+
+
 @requires_sglang
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 16 << 10])
 def test_reference_trainer_updates_sglang_and_logprobs_agree(
@@ -259,14 +270,10 @@ def test_reference_trainer_updates_sglang_and_logprobs_agree(
             await pub.connect()
             info = await client.info()
             assert [p.name for p in info.params] == [p.name for p in trainer.param_specs()]
-            g = torch.Generator().manual_seed(bucket_bytes)
-            ids = torch.randint(5, 200, (2, 12), generator=g).tolist()
-            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
-            trainer.step()
+            _step(trainer, seed=bucket_bytes)
             version = info.version + 1
             before = await _scored(client)
-            async with pub.update(version, trainer.param_specs()) as sink:
-                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            await _publish(pub, trainer, version)
             assert pub.last is not None
             event = next(iter(pub.last.events.values()))
             assert event.mode == "direct" and event.version == version
@@ -309,11 +316,8 @@ def test_apply_floor_times_sglangs_load_and_puts_the_trained_weights_back(
             pub = WeightPublisher([client], bucket_bytes=1 << 20)
             await pub.connect()
             version = (await client.info()).version + 1
-            ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
-            trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
-            trainer.step()
-            async with pub.update(version, trainer.param_specs()) as sink:
-                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            _step(trainer, seed=7)
+            await _publish(pub, trainer, version)
             before = await _scored(client)
             floor = await client.apply_floor(3)
             assert len(floor.seconds) == 3 and all(s > 0 for s in floor.seconds), floor
@@ -492,19 +496,7 @@ def test_sglang_signs_its_rendezvous_and_an_outsider_cannot_take_rank_0(sglang_s
             second = dataclasses.replace(cfg, init_method=init, secret=new_group_secret(), timeout_s=15)
             trainer = threading.Thread(target=_form, args=(second,), daemon=True)
             trainer.start()
-            attacker = take_rank_zero(init, fill=7.0, timeout_s=15)
-            host, port = parse_init_method(init)
-            watcher = torch.distributed.TCPStore(  # type: ignore[attr-defined]
-                host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=15)
-            )
-            deadline = time.monotonic() + 15
-            while not (keys := [k for k in watcher.list_keys() if k.endswith("//cpu//0/0")]):
-                assert time.monotonic() < deadline, "the trainer never wrote its rendezvous value"
-                await asyncio.sleep(0.01)
-            trainers = bytes(watcher.get(keys[0]))
-            while bytes(watcher.get(keys[0])) == trainers:  # the outsider's address over the trainer's
-                assert time.monotonic() < deadline, "the outsider never wrote its address"
-                await asyncio.sleep(0.01)
+            attacker = await asyncio.to_thread(take_rank_zero_while_it_forms, init, 7.0, 15)
             with pytest.raises(ServerError) as err:
                 await client.init_process_group(second.invitation(1))
             assert "not written by a member" in str(err.value) and "//cpu//0/0" in str(err.value), err.value
