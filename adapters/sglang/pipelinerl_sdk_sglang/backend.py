@@ -406,7 +406,7 @@ class SGLangInferenceBackend(KitBackend):
         """``/v1/completions``: every prompt's ``n`` samples on SGLang at once, prompt logprobs
         from each prompt's first sample."""
         self._refuse(req)
-        plans = await plan_completion(self.tokenizer, req, self._context)
+        plans = await plan_completion(self.tokenizer, req, self._context, self.vocab_size)
         n = req.n
         outs = await asyncio.gather(
             *(self.sglang.generate(self._body(plan, req, i)) for plan in plans for i in range(n))

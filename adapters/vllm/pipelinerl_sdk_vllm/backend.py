@@ -26,8 +26,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -321,28 +321,38 @@ class VLLMInferenceBackend(KitBackend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(
-            n=1,
-            structured_outputs=_structured(plan.structured),
-            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-            **sampling_args(plan, req, i),
-            max_tokens=plan.max_tokens,
-            stop=list(plan.stop) or None,
-            stop_token_ids=list(plan.stop_token_ids) or None,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=plan.top if _wants_logprobs(req) else None,
-            prompt_logprobs=req.prompt_top if i == 0 else None,
-            ignore_eos=req.ignore_eos,
-            skip_special_tokens=req.skip_special_tokens,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        )
+        with _refused_by_vllm():
+            return SamplingParams(
+                n=1,
+                structured_outputs=_structured(plan.structured),
+                logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+                **sampling_args(plan, req, i),
+                max_tokens=plan.max_tokens,
+                stop=list(plan.stop) or None,
+                stop_token_ids=list(plan.stop_token_ids) or None,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=plan.top if _wants_logprobs(req) else None,
+                prompt_logprobs=req.prompt_top if i == 0 else None,
+                ignore_eos=req.ignore_eos,
+                skip_special_tokens=req.skip_special_tokens,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            )
+
+    async def _generate(self, plan: ChatPlan, params: Any, rid: str) -> AsyncGenerator[Any, None]:
+        """vLLM's outputs of request ``rid`` on ``plan``'s prompt; what vLLM refuses as the
+        client's fault (its ``VLLMClientError``s: a token id out of the vocabulary, a sampling
+        value it does not take) is an InvalidRequest naming vLLM's parameter (400), not a 500.
+        Closing it early aborts the request in vLLM."""
+        outputs = self._engine.generate({"prompt_token_ids": plan.prompt_ids}, params, rid)
+        async with aclosing(outputs):
+            with _refused_by_vllm():
+                async for out in outputs:
+                    yield out
 
     async def _final(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> Any:
         """Sample ``i`` of ``req`` for ``plan``'s prompt, run to its end: vLLM's last output."""
         final = None
-        async for out in self._engine.generate(
-            {"prompt_token_ids": plan.prompt_ids}, self._params(plan, req, i), f"cmpl-{uuid.uuid4().hex}"
-        ):
+        async for out in self._generate(plan, self._params(plan, req, i), f"cmpl-{uuid.uuid4().hex}"):
             final = out
         if final is None:
             raise RuntimeError("vLLM returned no output")
@@ -382,7 +392,7 @@ class VLLMInferenceBackend(KitBackend):
         )
 
     async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
-        plans = await plan_completion(self.tokenizer, req, self._engine.model_config.max_model_len)
+        plans = await plan_completion(self.tokenizer, req, self._engine.model_config.max_model_len, self.vocab_size)
         n = req.n
         outs = await asyncio.gather(*(self._final(plan, req, i) for plan in plans for i in range(n)))
         choices = [
@@ -428,7 +438,7 @@ class VLLMInferenceBackend(KitBackend):
         processor = self._engine.output_processor
         state: Any = None
         done = 0  # tokens already stepped
-        outputs = self._engine.generate({"prompt_token_ids": plan.prompt_ids}, params, rid)
+        outputs = self._generate(plan, params, rid)
         async with aclosing(outputs):  # closing early (the client left) aborts the request in vLLM
             async for out in outputs:
                 c = out.outputs[0]
@@ -459,6 +469,18 @@ class VLLMInferenceBackend(KitBackend):
         from pipelinerl_sdk_vllm.server import run
 
         run(self, config)
+
+
+@contextmanager
+def _refused_by_vllm() -> Iterator[None]:
+    """vLLM's ``VLLMClientError`` (a request vLLM refuses, its own 4xx) raised in the block as
+    the SDK's InvalidRequest naming vLLM's ``parameter`` where it names one."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        yield
+    except VLLMClientError as e:
+        raise InvalidRequest(f"vLLM refused the request: {e}", field=getattr(e, "parameter", None)) from e
 
 
 def _wants_logprobs(req: wire.SamplingRequest) -> bool:
