@@ -14,9 +14,12 @@ router mounted in front of it.
   weight-transfer machinery with the SDK's engine (:mod:`.transfer`): arm =
   ``start_weight_update`` + ``update_weights(op=receive)`` (returns at once; the worker waits for
   the trainer's ``go``, then receives on a background thread); go and receive = poll the workers'
-  status; pause = ``pause_generation(mode="keep")``/``resume_generation``; apply =
+  status; first bytes = every worker's first bucket arrived (the worker pushes its status then);
+  pause = ``pause_generation(mode="keep")``/``resume_generation``; apply =
   ``finish_weight_update(version)`` (apply + version); abandon = ``finish_weight_update(None)``.
-  ``direct`` mode pauses once every worker has the ``go``, ``staged`` only for the apply.
+  ``direct`` mode pauses once every worker's first bucket arrived (the workers receive into a
+  staging buffer of their own, so nothing live is written before the apply: a trainer stuck after
+  its ``go`` holds no generation), ``staged`` only for the apply.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -161,11 +164,13 @@ class VLLMInferenceBackend(KitBackend):
         received: bool,
         deciding: _Deciding | None = None,
         seen: list[dict[str, Any]] | None = None,
+        watch: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> float:
         """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over this engine's workers; with
         ``deciding``, once it is to be cancelled, the workers' decision waits are ended first
         (each worker's job then fails, aborted, naming why; one that already had the trainer's
-        ``go`` goes on receiving). ``seen`` is replaced by the last statuses read."""
+        ``go`` goes on receiving). ``seen`` is replaced by the last statuses read; ``watch`` is
+        called with every worker's statuses each time they are read (pushed or polled)."""
 
         async def statuses() -> list[dict[str, Any]]:
             if deciding is not None and deciding.cancel is not None and not deciding.sent:
@@ -173,9 +178,11 @@ class VLLMInferenceBackend(KitBackend):
                 why = deciding.cancel
                 ended = await self._engine.collective_rpc("pipelinerl_cancel_decision", args=(key, why))
                 log.info("%s: decision wait ended in %d of %d worker(s): %s", key, sum(ended), len(ended), why)
-            read = self._pushed(key, received) or list(await self._engine.collective_rpc("pipelinerl_status"))
+            read = self._pushed(key, received, watch) or list(await self._engine.collective_rpc("pipelinerl_status"))
             if seen is not None:
                 seen[:] = read
+            if watch is not None:
+                watch(read)
             return read
 
         inbox = self._inbox
@@ -184,9 +191,12 @@ class VLLMInferenceBackend(KitBackend):
         poll_s = PUSHED_POLL_S if inbox.reached else POLL_S
         return await wait_jobs(statuses, key, deadline, received=received, poll_s=poll_s, nap=inbox.wait)
 
-    def _pushed(self, key: str, received: bool) -> list[dict[str, Any]] | None:
+    def _pushed(
+        self, key: str, received: bool, watch: Callable[[list[dict[str, Any]]], None] | None = None
+    ) -> list[dict[str, Any]] | None:
         """The workers' pushed statuses (:mod:`.status_push`) when every worker's is about job
-        ``key`` and it has settled there (or failed); else None (then poll)."""
+        ``key`` and it has settled there (or failed); else None (then poll). ``watch`` sees them
+        whenever every worker's is about ``key``, settled or not."""
         inbox = self._inbox
         if inbox is None:
             return None
@@ -194,6 +204,8 @@ class VLLMInferenceBackend(KitBackend):
         pushed = inbox.statuses(self.workers)
         if pushed is None or any((s.get("job") or {}).get("key") != key for s in pushed):
             return None
+        if watch is not None:
+            watch(pushed)
         try:
             return pushed if settled(pushed, key, received=received) is not None else None
         except PipelineRLError:
@@ -217,6 +229,16 @@ class VLLMInferenceBackend(KitBackend):
         deciding = _Deciding(key)
         statuses: list[dict[str, Any]] = []  # the workers' last status (their receive's stamps)
         applied: list[dict[str, float]] = []  # each worker's apply stamps
+        flowing: list[asyncio.Future[None]] = []  # done once every worker's first bucket arrived
+
+        def first_bucket() -> asyncio.Future[None]:
+            if not flowing:
+                flowing.append(asyncio.get_running_loop().create_future())
+            return flowing[0]
+
+        def watch(read: list[dict[str, Any]]) -> None:
+            if all(_bytes_flow(s, key) for s in read) and not first_bucket().done():
+                first_bucket().set_result(None)
 
         def decided() -> None:
             if self._deciding is deciding:
@@ -237,7 +259,13 @@ class VLLMInferenceBackend(KitBackend):
                 decided()
 
         async def receive() -> float:
-            return await self._wait_jobs(key, deadline, received=True, seen=statuses)
+            first_bucket()  # (made on the loop)
+            return await self._wait_jobs(key, deadline, received=True, seen=statuses, watch=watch)
+
+        async def first_bytes() -> None:
+            """Every worker's first bucket arrived: read from the statuses ``receive`` reads (the
+            workers push theirs at that moment; polling is the fallback)."""
+            await first_bucket()
 
         async def apply() -> None:
             # vLLM's finish_weight_update(version): the workers' finish (ours returns its
@@ -266,7 +294,9 @@ class VLLMInferenceBackend(KitBackend):
                 out["worker_first_bucket"] = min(firsts)
             return out
 
-        return UpdateSteps(await_go, receive, apply, self._paused, arm=arm, abandon=abandon, stamps=stamps)
+        return UpdateSteps(
+            await_go, receive, apply, self._paused, arm=arm, abandon=abandon, first_bytes=first_bytes, stamps=stamps
+        )
 
     @asynccontextmanager
     async def _paused(self) -> AsyncIterator[None]:
@@ -469,6 +499,14 @@ class VLLMInferenceBackend(KitBackend):
         from pipelinerl_sdk_vllm.server import run
 
         run(self, config)
+
+
+def _bytes_flow(status: dict[str, Any], key: str) -> bool:
+    """Whether a worker's ``status`` says the receive job ``key`` has its first bucket (or all)."""
+    job = status.get("job") or {}
+    return job.get("key") == key and (
+        job.get("state") == "received" or "worker_first_bucket" in (job.get("stamps") or {})
+    )
 
 
 @contextmanager

@@ -11,8 +11,9 @@ vLLM creates one instance in every worker (registered as ``pipelinerl`` by
   thread waits for the trainer's ``go`` in the group's store, then receives every bucket into a
   staging buffer. vLLM runs ``update_weights`` on the engine core's only RPC thread, between
   scheduler steps; a receive on that thread would stop generation for the whole broadcast, so it
-  never blocks there. The job reports ``deciding`` until the ``go``, then ``receiving``, so the API
-  server can hold generation (``direct``) only once bytes flow;
+  never blocks there. The job reports ``deciding`` until the ``go``, then ``receiving``, and stamps
+  (and pushes) ``worker_first_bucket`` once the first bucket arrived, so the API server holds
+  generation (``direct``) only once bytes flow: nothing live is written before the apply;
 - ``finish_weight_update``: if the staged update arrived complete, apply it in one go through vLLM's
   layerwise reload (``initialize_layerwise_reload`` / ``model.load_weights`` /
   ``finalize_layerwise_reload``: on CPU the linear weights are repacked for oneDNN, so writing
@@ -176,9 +177,12 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 job.stamps["worker_go"] = time.time()
                 job.state = "receiving"
                 push(self.status())
-                staged = receiver.receive_decided(
-                    plan, on_first_bucket=lambda: job.stamps.__setitem__("worker_first_bucket", time.time())
-                )
+
+                def first_bucket() -> None:  # bytes flow: the server may hold generation now
+                    job.stamps["worker_first_bucket"] = time.time()
+                    push(self.status())
+
+                staged = receiver.receive_decided(plan, on_first_bucket=first_bucket)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 job.stamps["worker_last_bucket"] = time.time()
