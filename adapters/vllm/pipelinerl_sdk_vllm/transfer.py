@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from pipelinerl_sdk.errors import UpdateAborted
+from pipelinerl_sdk.errors import DecisionTimeout, UpdateAborted
 from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, probe_key, update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
@@ -93,6 +93,8 @@ class _Job:
     state: str = "deciding"  # deciding (no go yet) | receiving | received | failed
     error: str | None = None
     aborted: bool = False
+    #: Failed because no decision of the trainer's came in time (DecisionTimeout: a 408).
+    timed_out: bool = False
     staged: StagedWeights | None = None
     receive_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -205,6 +207,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 job.state = "received"
             except (UpdateAborted, NonFiniteWeights) as e:  # the group stays healthy
                 job.error, job.aborted, job.state = str(e), True, "failed"
+            except DecisionTimeout as e:  # the trainer never decided (the group is marked broken)
+                job.error, job.timed_out, job.state = str(e), True, "failed"
             except BaseException as e:
                 job.error, job.state = f"{type(e).__name__}: {e}", "failed"
             push(self.status())  # the server need not wait for its next poll
@@ -280,6 +284,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 "state": job.state,
                 "error": job.error,
                 "aborted": job.aborted,
+                "timed_out": job.timed_out,
                 "receive_s": job.receive_s,
                 "stamps": dict(job.stamps),
             },
