@@ -413,7 +413,7 @@ class VLLMInferenceBackend(KitBackend):
             plan,
             [
                 assemble_choice(
-                    self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan.top), tool_parser=self.tool_parser
+                    self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan), tool_parser=self.tool_parser
                 )
                 for i, o in enumerate(outs)
             ],
@@ -432,7 +432,7 @@ class VLLMInferenceBackend(KitBackend):
                 req,
                 plans[k // n],
                 prompt_logprobs=self._prompt_entries(outs[k - k % n], req),
-                **self._outcome(o.outputs[0], req, plans[k // n].top),
+                **self._outcome(o.outputs[0], req, plans[k // n]),
             )
             for k, o in enumerate(outs)
         ]
@@ -440,16 +440,17 @@ class VLLMInferenceBackend(KitBackend):
             self.model_name, plans, choices, completion_tokens=sum(len(o.outputs[0].token_ids) for o in outs)
         )
 
-    def _outcome(self, c: Any, req: wire.SamplingRequest, top: int) -> dict[str, Any]:
+    def _outcome(self, c: Any, req: wire.SamplingRequest, plan: ChatPlan) -> dict[str, Any]:
         """One finished vLLM ``CompletionOutput`` as the assembly's keywords: its text (vLLM's
         stop rule), tokens, per-token versions (vLLM's spans), logprobs, finish and stop reason."""
         token_ids = [int(t) for t in c.token_ids]
-        logprobs, tops = _token_logprobs(token_ids, c.logprobs, req, top)
+        finish = _finish(c.finish_reason, plan)  # first: an engine error is never a choice
+        logprobs, tops = _token_logprobs(token_ids, c.logprobs, req, plan.top)
         return {
             "text": str(c.text),
             "token_ids": token_ids,
             "versions": versions_from_spans(_spans(c.weight_versions), len(token_ids), engine="vLLM"),
-            "finish_reason": _finish(c.finish_reason),
+            "finish_reason": finish,
             "stop_reason": c.stop_reason,
             "logprobs": logprobs,
             "top_logprobs": tops,
@@ -488,7 +489,7 @@ class VLLMInferenceBackend(KitBackend):
                     logprobs if logprobs else [0.0] * len(ids),
                     versions,
                     tops or (),
-                    _finish(c.finish_reason) if c.finish_reason is not None else None,
+                    _finish(c.finish_reason, plan) if c.finish_reason is not None else None,
                 )
                 done = end
 
@@ -527,7 +528,21 @@ def _wants_logprobs(req: wire.SamplingRequest) -> bool:
     return asked is not None and asked is not False
 
 
-def _finish(reason: str | None) -> Literal["stop", "length", "abort"]:
+def _finish(reason: str | None, plan: ChatPlan) -> Literal["stop", "length", "abort"]:
+    """The choice's finish reason from vLLM's (``repetition`` is a stop). vLLM's ``error``
+    (a request it failed: its invariant is a 500) raises, never a choice that looks finished
+    (it was a 200 with no text): for a request with a grammar, InvalidRequest naming its field
+    (vLLM fails a request whose grammar does not compile, e.g. a regex past its compile time
+    limit, ``VLLM_REGEX_COMPILATION_TIMEOUT_S``, 5 s by default), else RuntimeError (a 500)."""
+    if reason == "error":
+        so = plan.structured
+        if so is not None:
+            raise InvalidRequest(
+                f"{so.field}: vLLM failed the request; its grammar did not compile within vLLM's limits "
+                "(VLLM_REGEX_COMPILATION_TIMEOUT_S for a regex; the server log has vLLM's reason)",
+                field=so.field,
+            )
+        raise RuntimeError("vLLM failed the request (finish reason 'error'; the server log has vLLM's reason)")
     return reason if reason in ("stop", "length", "abort") else "stop"  # type: ignore[return-value]
 
 

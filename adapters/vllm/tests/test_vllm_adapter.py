@@ -110,6 +110,28 @@ class TestVLLMStatefulContract(StatefulContractTests):
 
 
 @requires_vllm
+def test_a_request_vllm_failed_is_an_error_never_a_finished_choice() -> None:
+    """vLLM's finish reason ``error`` (its scheduler failed the request; its own server answers
+    500) was read as ``stop``: a streamed chat whose 28 KB regex missed vLLM's 5 s compile limit
+    on a busy machine came back 200 with no text (tests/reliability's slow-grammar check). Now a
+    request with a grammar is refused naming its field, any other is an error (500)."""
+    from pipelinerl_sdk_vllm.backend import _finish
+
+    from pipelinerl_sdk.errors import InvalidRequest
+    from pipelinerl_sdk.kit.inference.chat import ChatPlan
+    from pipelinerl_sdk.kit.inference.structured import StructuredOutput
+
+    free = ChatPlan([1, 2], 4, 0)
+    constrained = ChatPlan([1, 2], 4, 0, structured=StructuredOutput("regex", "(ab|cd)*", "structured_outputs"))
+    assert [_finish(r, free) for r in ("stop", "length", "abort", "repetition")] == ["stop", "length", "abort", "stop"]
+    with pytest.raises(InvalidRequest) as refused:
+        _finish("error", constrained)
+    assert refused.value.field == "structured_outputs"
+    with pytest.raises(RuntimeError, match="vLLM failed the request"):
+        _finish("error", free)
+
+
+@requires_vllm
 def test_backend_and_weight_transfer_engine_are_registered() -> None:
     from importlib import metadata
 
