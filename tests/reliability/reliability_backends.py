@@ -44,7 +44,9 @@ ENGINES: dict[str, Engine] = {
     "vllm": Engine(
         {},
         lambda n: {"max_num_seqs": n},
-        {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        # vLLM fails a regex that takes over 5 s to compile (its ReDoS guard); the slow-grammar
+        # check's takes it 3-5 s on 2 busy cores: room to compile, or the check would measure the limit
+        {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_REGEX_COMPILATION_TIMEOUT_S": "60"},
         ("vllm", "pipelinerl_sdk_vllm"),
     ),
     "sglang": Engine(
