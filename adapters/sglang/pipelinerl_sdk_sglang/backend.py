@@ -178,12 +178,19 @@ class SGLangInferenceBackend(KitBackend):
             "group_name": name,
             "backend": req.backend,
         }
+        # The store first: SGLang joins with torch's default timeout (30 min), blocking its
+        # scheduler (every generation) meanwhile, so it is asked only once the store answers.
         try:
-            joined = asyncio.create_task(self.sglang.control("/init_weights_update_group", body))
             decisions = await asyncio.to_thread(
                 DecisionBoard.connect, req.init_method, name, req.timeout_s, req.group_secret
             )
-            await asyncio.wait_for(joined, req.timeout_s + 30)
+        except GroupError as e:
+            raise GroupError(
+                f"could not form group {req.group_name!r} at {req.init_method}: its store did not answer within "
+                f"timeout_s={req.timeout_s:g} (SGLang was not asked to join): {e}"
+            ) from e
+        try:
+            await asyncio.wait_for(self.sglang.control("/init_weights_update_group", body), req.timeout_s + 30)
         except (SGLangError, TimeoutError) as e:
             raise GroupError(f"SGLang could not join {req.group_name!r} at {req.init_method}: {e}") from e
         self._decisions = decisions
