@@ -11,6 +11,18 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here, not in tests/reliability/conftest.py: pytest reads options only from the conftests it
+    # loads at start-up, and `pytest tests` loads that one only once it collects the directory.
+    parser.addoption(
+        "--reliability-backend",
+        default="reference",
+        metavar="NAME",
+        help="the inference backend every server of tests/reliability is started with "
+        "(reference, vllm, sglang: tests/reliability/conftest.py's ENGINES; default reference)",
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 (hidden 128, 2 layers, head_dim 64) and its offline tokenizer, fp32."""

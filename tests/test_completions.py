@@ -134,6 +134,10 @@ def test_stream_adds_up_to_the_non_streamed_completion(client: openai.OpenAI) ->
         ({"max_tokens": CONTEXT}, "max_tokens"),
         ({"prompt": list(range(1, CONTEXT + 1))}, "prompt"),
         ({"logprobs": 21}, "logprobs"),
+        # token ids outside the vocabulary, refused by the kit before any engine sees them (vLLM
+        # answered a 500 for its own VLLMValidationError)
+        ({"prompt": [5, -1]}, "prompt"),
+        ({"prompt": [[5, 6], [7, 1 << 40]]}, "prompt.1"),
     ],
 )
 def test_refusals_are_bad_request_naming_param(client: openai.OpenAI, kw: dict[str, Any], param: str) -> None:

@@ -100,13 +100,18 @@ class Mirror:
             if tuple(local[s.name].shape) != s.shape:
                 raise AssertionError(f"{s.name}: server shape {s.shape} != HF shape {tuple(local[s.name].shape)}")
 
-    def send_all(self, sink: object, specs: Sequence[ParamSpec], *, stop_after: int | None = None) -> None:
+    def send_all(
+        self, sink: object, specs: Sequence[ParamSpec], *, start: int = 0, stop_after: int | None = None
+    ) -> None:
         """Hand every param to ``sink`` in the server's order and dtype (``stop_after``: only the
-        first n, to simulate a sender that dies)."""
+        first n, to simulate a sender that dies or stalls; ``start``: from param ``start`` on, the
+        rest of such a send)."""
         local = dict(self.model.named_parameters())
         for i, s in enumerate(specs):
             if stop_after is not None and i >= stop_after:
                 return
+            if i < start:
+                continue
             sink.send(s.name, local[s.name].detach().to(TORCH_DTYPES[s.dtype]))  # type: ignore[attr-defined]
 
     async def publish(self, publisher: WeightPublisher, version: int, specs: Sequence[ParamSpec]) -> None:

@@ -43,7 +43,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import ExitStack
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request
@@ -78,6 +78,23 @@ from pipelinerl_sdk.protocol import (
 )
 
 log = logging.getLogger("pipelinerl_sdk.server")
+
+#: Every path :func:`build_router` serves, and who may call it: ``open`` (anyone), ``read`` (the
+#: API key when one is set, or the control token), ``control`` (the control token), ``openai``
+#: (the API key when one is set). An engine-owned app may serve more routes of its own (vLLM's):
+#: these are the contract's.
+ROUTES: dict[str, Literal["open", "read", "control", "openai"]] = {
+    "/health": "open",
+    "/info": "read",
+    "/openapi.json": "read",
+    "/init_process_group": "control",
+    "/request_weight_update": "control",
+    "/probe_broadcast": "control",
+    "/bench/apply_floor": "control",
+    "/v1/models": "openai",
+    "/v1/chat/completions": "openai",
+    "/v1/completions": "openai",
+}
 
 
 class HTTPError(Exception):
@@ -280,18 +297,8 @@ def build_router(
     openai = _bearer_guard((api_key,) if api_key else (), "the OpenAI routes", wrong=401)  # as OpenAI
     read = _bearer_guard((api_key, control_token) if api_key else (), "this route")
     open_: Guard = _bearer_guard((), "")
-    guards = {
-        "/health": open_,
-        "/info": read,
-        "/openapi.json": read,
-        "/init_process_group": control,
-        "/request_weight_update": control,
-        "/probe_broadcast": control,
-        "/bench/apply_floor": control,
-        "/v1/models": openai,
-        "/v1/chat/completions": openai,
-        "/v1/completions": openai,
-    }
+    by_access = {"open": open_, "read": read, "control": control, "openai": openai}
+    guards = {path: by_access[access] for path, access in ROUTES.items()}
     slot = _ControlSlot()
     router = APIRouter(route_class=_guarded_route(guards, limits.max_body_bytes))
     served = served_model_name(backend.model_name)

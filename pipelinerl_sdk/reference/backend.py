@@ -63,6 +63,7 @@ class ReferenceInferenceBackend(KitBackend):
             max_batch_size=int(self.opts.get("max_batch_size", 32)),
             max_model_len=int(self.opts.get("max_model_len", 2048)),
         )
+        self.vocab_size = int(self.model.config.vocab_size)
         self._params = dict(self.model.named_parameters())
         self.specs = [spec_of(name, p) for name, p in self._params.items()]
         #: A full update is received into the spare buffer and swapped in (no copy in the pause).
@@ -208,7 +209,7 @@ class ReferenceInferenceBackend(KitBackend):
         return assemble_choice(self.tokenizer, index, req, **self._outcome(r, req), tool_parser=self.tool_parser)
 
     async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
-        plans = await plan_completion(self.tokenizer, req, self.engine.max_model_len)
+        plans = await plan_completion(self.tokenizer, req, self.engine.max_model_len, self.vocab_size)
         n = req.n
         results = await asyncio.gather(
             *(self.engine.generate(plan.prompt_ids, self._sampling(plan, req, i)) for plan in plans for i in range(n))

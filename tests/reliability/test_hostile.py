@@ -1,8 +1,12 @@
-"""Hostile hand-written requests against a real reference server (issue 15, items 6-10): none may
-fail another request, stall the event loop, outstay its welcome, or get a 5xx.
+"""Hostile hand-written requests against a real server of the backend under test
+(``--reliability-backend``; issue 15, items 6-10): none may fail another request, stall the event
+loop, outstay its welcome, or get a 5xx.
 
-Every test here failed before its fix; the bounds on time are generous and only prove that
-something does not wait behind something else (seconds against the minutes it took before).
+Every test here failed before its fix on some backend; the bounds on time are generous and only
+prove that something does not wait behind something else (seconds against the minutes it took
+before). The servers are the suite's shared ones (``conftest.py``): ``server`` (no limits of its
+own) and ``limited`` (small admission limits, stopped by the SIGTERM case, last). Engine-specific
+skips say why where they are made.
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from reliability_backends import LIMITED, Servers, skip_on
 from test_server_integration import run, train_step
 
 from pipelinerl_sdk.http.client import InferenceClient
@@ -33,14 +37,6 @@ SMALL = {"messages": [{"role": "user", "content": "12+7="}], "max_tokens": 6, "t
 HOG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True, "n": 64}
 
 
-@pytest.fixture(scope="module")
-def limited(tiny_model: Path) -> Iterator[ServerProcess]:
-    """A reference server with small limits: 1 MiB bodies, 3 requests, 3000 tokens in flight."""
-    args = ["--max-body-bytes", str(1 << 20), "--max-queued-requests", "3", "--max-tokens-in-flight", "3000"]
-    with ServerProcess("reference", tiny_model, options={"threads": 1}, args=args, startup_timeout_s=120) as srv:
-        yield srv
-
-
 def post(srv: ServerProcess, path: str, body: Any, **kw: Any) -> httpx.Response:
     headers = {"Authorization": f"Bearer {srv.control_token}"} if not path.startswith("/v1") else {}
     return httpx.post(srv.url + path, json=body, headers=headers, timeout=120, **kw)
@@ -49,7 +45,7 @@ def post(srv: ServerProcess, path: str, body: Any, **kw: Any) -> httpx.Response:
 # --- 6. a request the engine cannot compute fails nobody, itself included -------------------------
 
 
-def test_underflowing_temperature_and_top_p_are_served_and_fail_no_neighbour(server: Any) -> None:
+def test_underflowing_temperature_and_top_p_are_served_and_fail_no_neighbour(server: Any, backend: str) -> None:
     """1e-40 underflows float32: the temperature is raised to the smallest one sampled (vLLM's
     rule), top-p keeps the most likely token; the neighbours decoding in the same batch finish."""
 
@@ -68,6 +64,10 @@ def test_underflowing_temperature_and_top_p_are_served_and_fail_no_neighbour(ser
             return list(await asyncio.gather(*innocent)), list(bad)
 
     innocent, hostile = run(body)
+    print(
+        f"\n[{backend}] underflowing sampling: {sum(r.status_code != 200 for r in innocent)} of {len(innocent)} "
+        f"innocent requests failed; hostile answered {[r.status_code for r in hostile]}"
+    )
     assert [r.status_code for r in innocent] == [200] * 4
     assert [r.status_code for r in hostile] == [200] * 3, [r.text[:200] for r in hostile]
     greedy = post(server, "/v1/chat/completions", {**SMALL, "return_token_ids": True}).json()
@@ -105,47 +105,48 @@ def rss_mb(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> None:
+def test_health_answers_while_a_10_mb_prompt_is_tokenised(server: ServerProcess, backend: str) -> None:
     """The prompt's chat template and tokenisation run off the event loop (they took 15 s on it),
     and the memory they took goes back (1.2 GB stayed). Prints the issue's figure: the longest
-    ``/health`` stall, asked every 10 ms while the prompt is read, parsed and tokenised."""
-    args = ["--max-body-bytes", str(32 << 20)]
-    with ServerProcess("reference", tiny_model, options={"threads": 1}, args=args, startup_timeout_s=120) as srv:
-        # encoded once here: the client's own json.dumps would stall the asking loop, not the server
-        prompt = json.dumps({**SMALL, "messages": [{"role": "user", "content": "ab " * ((10 << 20) // 3)}]}).encode()
+    ``/health`` stall, asked every 10 ms while the prompt is read, parsed and tokenised. The shared
+    server takes 32 MiB bodies; its RSS is that of the process serving HTTP (vLLM's API server,
+    SGLang's gateway)."""
+    srv = server
+    # encoded once here: the client's own json.dumps would stall the asking loop, not the server
+    prompt = json.dumps({**SMALL, "messages": [{"role": "user", "content": "ab " * ((10 << 20) // 3)}]}).encode()
 
-        async def health_every_10_ms(http: httpx.AsyncClient, until: asyncio.Future[Any]) -> tuple[list[float], float]:
-            """(/health answer times, the server's peak RSS) until ``until`` is done."""
-            stalls: list[float] = []
-            peak = 0.0
-            start = time.perf_counter()
-            while not until.done():
-                t0 = time.perf_counter()
-                assert (await http.get("/health")).status_code == 200
-                stalls.append(time.perf_counter() - t0)
-                if stalls[-1] > 0.1:
-                    print(f"\n/health: {stalls[-1] * 1000:.0f} ms, asked {t0 - start:.2f} s in", flush=True)
-                peak = max(peak, rss_mb(srv.pid))
-                await asyncio.sleep(0.01)
-            return stalls, peak
+    async def health_every_10_ms(http: httpx.AsyncClient, until: asyncio.Future[Any]) -> tuple[list[float], float]:
+        """(/health answer times, the server's peak RSS) until ``until`` is done."""
+        stalls: list[float] = []
+        peak = 0.0
+        start = time.perf_counter()
+        while not until.done():
+            t0 = time.perf_counter()
+            assert (await http.get("/health")).status_code == 200
+            stalls.append(time.perf_counter() - t0)
+            if stalls[-1] > 0.1:
+                print(f"\n/health: {stalls[-1] * 1000:.0f} ms, asked {t0 - start:.2f} s in", flush=True)
+            peak = max(peak, rss_mb(srv.pid))
+            await asyncio.sleep(0.01)
+        return stalls, peak
 
-        async def body() -> tuple[httpx.Response, list[float], list[float], float]:
-            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
-                assert (await http.post("/v1/chat/completions", json=SMALL)).status_code == 200  # warm
-                # the same asks with no request running: what the machine's load alone costs
-                quiet, _ = await health_every_10_ms(http, asyncio.ensure_future(asyncio.sleep(3)))
-                big = asyncio.ensure_future(
-                    http.post("/v1/chat/completions", content=prompt, headers={"Content-Type": "application/json"})
-                )
-                stalls, peak = await health_every_10_ms(http, big)
-                return await big, quiet, stalls, peak
+    async def body() -> tuple[httpx.Response, list[float], list[float], float]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+            assert (await http.post("/v1/chat/completions", json=SMALL)).status_code == 200  # warm
+            # the same asks with no request running: what the machine's load alone costs
+            quiet, _ = await health_every_10_ms(http, asyncio.ensure_future(asyncio.sleep(3)))
+            big = asyncio.ensure_future(
+                http.post("/v1/chat/completions", content=prompt, headers={"Content-Type": "application/json"})
+            )
+            stalls, peak = await health_every_10_ms(http, big)
+            return await big, quiet, stalls, peak
 
-        before = rss_mb(srv.pid)
-        resp, quiet, stalls, peak = run(body)
-        time.sleep(0.5)
-        after = rss_mb(srv.pid)
+    before = rss_mb(srv.pid)
+    resp, quiet, stalls, peak = run(body)
+    time.sleep(0.5)
+    after = rss_mb(srv.pid)
     print(
-        f"\n/health during a 10 MB prompt: {len(stalls)} answers, longest {max(stalls) * 1000:.0f} ms "
+        f"\n[{backend}] /health during a 10 MB prompt: {len(stalls)} answers, longest {max(stalls) * 1000:.0f} ms "
         f"(with nothing running: longest of {len(quiet)} {max(quiet) * 1000:.0f} ms); server RSS {before:.0f} MB "
         f"before, {peak:.0f} MB peak, {after:.0f} MB after (kept {after - before:+.0f} MB)"
     )
@@ -155,29 +156,61 @@ def test_health_answers_while_a_10_mb_prompt_is_tokenised(tiny_model: Path) -> N
     assert after - before < 200, f"the server kept {after - before:.0f} MB after one 10 MB prompt"
 
 
+async def health_until(http: httpx.AsyncClient, until: asyncio.Future[Any]) -> list[tuple[float, float]]:
+    """``/health`` asked every 10 ms until ``until`` is done: per answer, (its time, the part of it
+    this client's own event loop did not run). On a loaded machine the asking process can itself be
+    descheduled (on 2 busy cores vLLM's engine compiled a grammar on 8 threads and this client's
+    loop stood still up to 1.9 s, using no CPU, while the server's loop answered at once): that
+    part is not the server's stall."""
+    still: list[tuple[float, float]] = []  # (from, to): this loop did not run
+
+    async def watch() -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.005)
+            if time.perf_counter() - t0 > 0.025:
+                still.append((t0 + 0.005, time.perf_counter()))
+
+    watching = asyncio.ensure_future(watch())
+    answers: list[tuple[float, float]] = []
+    try:
+        while not until.done():
+            t0 = time.perf_counter()
+            assert (await http.get("/health")).status_code == 200
+            t1 = time.perf_counter()
+            answers.append((t1 - t0, sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in still)))
+            await asyncio.sleep(0.01)
+    finally:
+        watching.cancel()
+    return answers
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_health_answers_while_a_slow_grammar_compiles(server: Any, stream: bool) -> None:
+def test_health_answers_while_a_slow_grammar_compiles(server: Any, backend: str, stream: bool) -> None:
     """A 28 KB regex of 4,000 alternations takes xgrammar seconds to compile (2.4 s on the
     development machine): the grammar compiles on a worker thread, before any sample (the
     backend's ``prepare``), not on the event loop, where the streamed path compiled it and
-    ``/health`` waited for the whole compile. Each case has its own regex (the compiler caches)."""
+    ``/health`` waited for the whole compile. Each case has its own regex (the compiler caches).
+    vLLM compiles in its engine core (another process), SGLang in its scheduler (another process)
+    after the adapter's own check on a worker thread. The bound is on the server's part of each
+    answer (:func:`health_until`)."""
     alternation = "(ac|bd)" if stream else "(ab|cd)"
     req = {**SMALL, "max_tokens": 4, "stream": stream, "structured_outputs": {"regex": alternation * 4000}}
 
-    async def body() -> tuple[httpx.Response, list[float], float]:
+    async def body() -> tuple[httpx.Response, list[tuple[float, float]], float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
             start = time.perf_counter()
             big = asyncio.ensure_future(http.post("/v1/chat/completions", json=req))
-            stalls: list[float] = []
-            while not big.done():
-                t0 = time.perf_counter()
-                assert (await http.get("/health")).status_code == 200
-                stalls.append(time.perf_counter() - t0)
-                await asyncio.sleep(0.01)
-            return await big, stalls, time.perf_counter() - start
+            answers = await health_until(http, big)
+            return await big, answers, time.perf_counter() - start
 
-    resp, stalls, wall = run(body)
-    print(f"\n/health while a grammar compiles (stream {stream}): longest {max(stalls):.3f} s of {wall:.1f} s")
+    resp, answers, wall = run(body)
+    stalls = [t - ours for t, ours in answers]  # the server's part
+    longest = max(answers)
+    print(
+        f"\n[{backend}] /health while a grammar compiles (stream {stream}): longest server stall {max(stalls):.3f} s "
+        f"of {wall:.1f} s (longest answer {longest[0]:.3f} s, {longest[1]:.3f} s of it this client stood still)"
+    )
     assert resp.status_code == 200, resp.text
     if stream:
         events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
@@ -241,78 +274,75 @@ def test_requests_past_the_admission_limits_get_429_with_retry_after(limited: Se
     assert post(limited, "/v1/chat/completions", {**SMALL, "max_tokens": 20, "n": 200 // 20}).status_code == 200
 
 
-def test_a_client_that_leaves_frees_the_engine(tiny_model: Path) -> None:
-    """64 x 2000 tokens at batch size 1 take minutes; once its client left, a small request is
-    served at once."""
-    with ServerProcess(
-        "reference", tiny_model, options={"threads": 1, "max_batch_size": 1}, startup_timeout_s=120
-    ) as srv:
+def test_a_client_that_leaves_frees_the_engine(limited: ServerProcess, backend: str) -> None:
+    """64 x 2000 tokens, 2 sequences at a time, take minutes; once its client left, a small
+    request is served at once: its admission freed (the limited server admits the 64 samples only
+    alone) and its sequences aborted in the engine (else the small one waits behind them)."""
 
-        async def body() -> httpx.Response:
-            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
-                hog = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOG))
-                await asyncio.sleep(1.0)  # admitted and generating
-                hog.cancel()  # the client leaves: its connection closes
-                with pytest.raises(asyncio.CancelledError):
-                    await hog
-                return await asyncio.wait_for(http.post("/v1/chat/completions", json=SMALL), 60)
+    async def body() -> tuple[httpx.Response, float, int]:
+        async with httpx.AsyncClient(base_url=limited.url, timeout=600) as http:
+            hog = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOG))
+            await in_flight(http, 1)
+            await asyncio.sleep(1.0)  # admitted and generating
+            hog.cancel()  # the client leaves: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await hog
+            t0, refused = time.perf_counter(), 0
+            while True:  # 429 until the server has seen the client leave
+                r = await asyncio.wait_for(http.post("/v1/chat/completions", json=SMALL), 60)
+                if r.status_code != 429 or time.perf_counter() - t0 > 60:
+                    return r, time.perf_counter() - t0, refused
+                refused += 1
+                await asyncio.sleep(0.05)
 
-        assert run(body).status_code == 200
-
-
-def test_sigterm_stops_the_server_with_work_in_flight(tiny_model: Path) -> None:
-    srv = ServerProcess(
-        "reference",
-        tiny_model,
-        options={"threads": 1, "max_batch_size": 1},
-        args=["--shutdown-timeout", "1"],
-        startup_timeout_s=120,
-    ).start()
-    try:
-
-        async def body() -> int | None:
-            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
-                hog = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOG))
-                await asyncio.sleep(1.0)
-                assert srv.proc is not None
-                os.kill(srv.pid, signal.SIGTERM)
-                t0 = time.perf_counter()
-                code = await asyncio.to_thread(srv.proc.wait, 30)  # minutes of work were in flight
-                print(f"\nSIGTERM, minutes of work in flight: exit after {time.perf_counter() - t0:.1f} s (bound 1 s)")
-                with pytest.raises(httpx.HTTPError):  # the connection ends with the process
-                    (await hog).raise_for_status()
-                return code
-
-        assert run(body) == 0
-    finally:
-        srv.stop()
+    r, waited, refused = run(body)
+    print(
+        f"\n[{backend}] a client left 64 x 2000 tokens: the next request served {waited:.2f} s later ({refused} x 429)"
+    )
+    assert r.status_code == 200, r.text[:300]
 
 
 # --- 9. a trainer stuck after its go holds no generation ------------------------------------------
 
 
-def test_direct_update_pauses_only_once_bytes_flow(tiny_model: Path, trainer: ReferenceTrainer) -> None:
-    with ServerProcess("reference", tiny_model, receive_mode="direct", options={"threads": 1}) as srv:
+def test_direct_update_pauses_only_once_bytes_flow(
+    server: ServerProcess, backend: str, trainer: ReferenceTrainer
+) -> None:
+    """A ``direct`` update whose trainer said ``go`` and then sends nothing holds no generation:
+    a request of 400 tokens started after the ``go`` ends on the old weights before the first
+    byte is sent. (vLLM held generation from the ``go`` until it had a ``first_bytes`` step: the
+    request waited the whole 60 s.)"""
+    skip_on(
+        backend,
+        {
+            "sglang": "SGLang receives in place, on its scheduler thread (direct mode only): generation must be "
+            "held from the trainer's go, so a direct update cannot wait for the bytes to pause"
+        },
+    )
 
-        async def body() -> None:
-            async with InferenceClient(srv.url, control_token=srv.control_token) as client:
-                pub = WeightPublisher([client], bucket_bytes=64 << 10, mode="direct")
-                await pub.connect()
-                version = (await client.info()).version + 1
-                train_step(trainer, seed=3)
-                async with pub.update(version, trainer.param_specs()) as sink:
-                    # the go is posted; this trainer stalls before sending a byte. A request of
-                    # 400 tokens outlasts the server's reading of the go: held, it could not end
-                    chat = asyncio.ensure_future(client.chat({**SMALL, "max_tokens": 400, "ignore_eos": True}))
-                    finished, _ = await asyncio.wait({chat}, timeout=60)
-                    assert chat in finished, "chat was held by an update whose bytes had not started"
-                    assert set(chat.result().choices[0].weight_versions) == {version - 1}
-                    await asyncio.to_thread(trainer.gather_and_broadcast, sink)
-                after = await client.chat(SMALL)
-                assert set(after.choices[0].weight_versions) == {version}
-                await pub.close()
+    async def body() -> float:
+        async with InferenceClient(server.url, control_token=server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=64 << 10, mode="direct")
+            await pub.connect()
+            version = (await client.info()).version + 1
+            train_step(trainer, seed=3)
+            async with pub.update(version, trainer.param_specs()) as sink:
+                # the go is posted; this trainer stalls before sending a byte. A request of
+                # 400 tokens outlasts the server's reading of the go: held, it could not end
+                t0 = time.perf_counter()
+                chat = asyncio.ensure_future(client.chat({**SMALL, "max_tokens": 400, "ignore_eos": True}))
+                finished, _ = await asyncio.wait({chat}, timeout=60)
+                took = time.perf_counter() - t0
+                assert chat in finished, "chat was held by an update whose bytes had not started"
+                assert set(chat.result().choices[0].weight_versions) == {version - 1}
+                await asyncio.to_thread(trainer.gather_and_broadcast, sink)
+            after = await client.chat(SMALL)
+            assert set(after.choices[0].weight_versions) == {version}
+            await pub.close()
+            return took
 
-        run(body)
+    took = run(body)
+    print(f"\n[{backend}] direct update, trainer stalled after its go: 400 tokens served in {took:.2f} s meanwhile")
 
 
 # --- 10. bad input is a 4xx naming the field --------------------------------------------------------
@@ -334,20 +364,47 @@ def test_rank_offset_past_world_size_is_400_before_joining(server: Any) -> None:
     assert r.json()["error"]["param"] == "rank_offset" and "world_size 2" in r.json()["error"]["message"]
 
 
-def test_probe_without_a_decision_is_408(tiny_model: Path) -> None:
-    with ServerProcess("reference", tiny_model, options={"threads": 1}) as srv:
+def test_probe_without_a_decision_is_408(server: ServerProcess) -> None:
+    async def body() -> httpx.Response:
+        async with InferenceClient(server.url, control_token=server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=64 << 10)
+            await pub.connect()
+            group = (await client.info()).group
+            assert group is not None
+            probe = {"nbytes": 1024, "probe_id": 1, "group_id": group.group_id, "timeout_s": 1}
+            r = await asyncio.to_thread(post, server, "/probe_broadcast", probe)
+            await pub.close()
+            return r
 
-        async def body() -> httpx.Response:
-            async with InferenceClient(srv.url, control_token=srv.control_token) as client:
-                pub = WeightPublisher([client], bucket_bytes=64 << 10)
-                await pub.connect()
-                group = (await client.info()).group
-                assert group is not None
-                probe = {"nbytes": 1024, "probe_id": 1, "group_id": group.group_id, "timeout_s": 1}
-                r = await asyncio.to_thread(post, srv, "/probe_broadcast", probe)
-                await pub.close()
-                return r
-
-        r = run(body)
+    r = run(body)
     assert r.status_code == 408, r.text[:300]
     assert r.json()["error"]["type"] == "decision_timeout" and "no decision" in r.json()["error"]["message"]
+
+
+# --- 8, last: it stops the limited server ---------------------------------------------------------
+
+
+def test_sigterm_stops_the_server_with_work_in_flight(servers: Servers, backend: str) -> None:
+    srv = servers.take(LIMITED)  # --shutdown-timeout 1
+    try:
+
+        async def body() -> int | None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+                hog = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOG))
+                await in_flight(http, 1)
+                await asyncio.sleep(1.0)
+                assert srv.proc is not None
+                os.kill(srv.pid, signal.SIGTERM)
+                t0 = time.perf_counter()
+                code = await asyncio.to_thread(srv.proc.wait, 30)  # minutes of work were in flight
+                print(
+                    f"\n[{backend}] SIGTERM, minutes of work in flight: exit after {time.perf_counter() - t0:.1f} s "
+                    "(drain bound 1 s)"
+                )
+                with pytest.raises(httpx.HTTPError):  # the connection ends with the process
+                    (await hog).raise_for_status()
+                return code
+
+        assert run(body) == 0
+    finally:
+        srv.stop()

@@ -1,14 +1,18 @@
-"""Load with updates: 64 concurrent request streams against a real reference server while a real
-trainer trains and publishes 20 updates. Every response must be a 200 with its full budget, and
-every token's version tag must be true: replayed against the trainer's weights of that version
+"""Load with updates: 64 concurrent request streams against a real server of the backend under
+test (``--reliability-backend``, the suite's shared server) while a real trainer trains and
+publishes 20 updates. Every response must be a 200 with its full budget, and every token's
+version tag must be true: replayed against the trainer's weights of that version
 (``conformance.versions.judge_tags``: kept-KV or recomputed, float32 tolerance). Prints the
-issue's figures: requests, 5xx, lost requests, longest ``/health`` stall, tags checked."""
+issue's figures: requests, 5xx, lost requests, longest ``/health`` stall, tags checked.
+
+The server is shared with earlier tests, which may have published weights of their own: the
+trainer first publishes its weights (unrecorded tokens could otherwise be judged against the
+wrong ones), then the streams start."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,20 +33,14 @@ pytestmark = pytest.mark.integration
 STREAMS, UPDATES, BUDGET = 64, 20, 16
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> Iterator[ServerProcess]:
-    options = {"threads": 1, "max_batch_size": STREAMS}
-    with ServerProcess("reference", tiny_model, options=options, startup_timeout_s=120) as srv:
-        yield srv
-
-
 def snapshot(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.hf_module().named_parameters()}
 
 
 def test_64_streams_under_20_updates_lose_nothing_and_every_tag_is_true(
-    loaded: ServerProcess, trainer: ReferenceTrainer, tiny_model: Path
+    server: ServerProcess, backend: str, trainer: ReferenceTrainer, tiny_model: Path
 ) -> None:
+    loaded = server  # room for 64 sequences at once
     states: dict[int, dict[str, torch.Tensor]] = {}
     responses: list[httpx.Response] = []
     stalls: list[float] = []
@@ -57,7 +55,8 @@ def test_64_streams_under_20_updates_lose_nothing_and_every_tag_is_true(
         ):
             pub = WeightPublisher([client], bucket_bytes=64 << 10)
             await pub.connect()
-            start = (await client.info()).version
+            start = (await client.info()).version + 1
+            await publish(pub, trainer, start)  # the server serves this trainer's weights from here
             states[start] = snapshot(trainer)
             stop = asyncio.Event()
 
@@ -103,7 +102,7 @@ def test_64_streams_under_20_updates_lose_nothing_and_every_tag_is_true(
         if not ok:
             failures.append(msg)
     print(
-        f"\nload: {len(responses)} requests over {STREAMS} streams, {UPDATES} updates; 5xx seen: "
+        f"\n[{backend}] load: {len(responses)} requests over {STREAMS} streams, {UPDATES} updates; 5xx seen: "
         f"{sum(r.status_code >= 500 for r in responses)}; lost: {len(lost)}; {crossed} crossed an update; "
         f"{tags} version tags replayed, {len(failures)} false; longest /health stall {max(stalls) * 1000:.0f} ms"
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,7 +49,12 @@ from pipelinerl_sdk.kit.inference.chat import (
     version_label,
     versions_from_spans,
 )
-from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
+from pipelinerl_sdk.kit.inference.completion import (
+    assemble_completion,
+    completion_choice,
+    plan_completion,
+    vocabulary_bound,
+)
 from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.kit.inference.structured import StructuredOutput, choice_grammar
 from pipelinerl_sdk.weights.auth import store_name
@@ -97,6 +103,8 @@ class SGLangInferenceBackend(KitBackend):
         self._decisions: Any = None  # weights.group.DecisionBoard
         #: Aborts of streams closed early, still being sent to SGLang.
         self._aborts: set[asyncio.Future[None]] = set()
+        #: Watches the SGLang child (:meth:`_watch_engine`); set once it is up, ended by stop().
+        self._watch: asyncio.Task[None] | None = None
 
     @property
     def max_model_len(self) -> int | None:
@@ -147,8 +155,28 @@ class SGLangInferenceBackend(KitBackend):
             await self.stop()
             raise
         print(f"pipelinerl: SGLang up in {time.perf_counter() - t0:.1f}s", flush=True)
+        if self._proc is not None:
+            self._watch = asyncio.create_task(self._watch_engine(self._proc))
+
+    async def _watch_engine(self, proc: SGLangProcess, every_s: float = 1.0) -> None:
+        """Once SGLang exits while serving (its scheduler died: e.g. an input it could not
+        handle), the gateway exits too, with status 1 and SGLang's log tail on its output:
+        alive without its engine it answered ``/health`` "ok" and every generation a 500, so
+        neither a launcher nor a health check could tell."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                proc.check_alive()
+            except PluginError as e:
+                log.error("%s\nthe gateway exits: it cannot serve without SGLang", e)
+                print(f"pipelinerl: {e}\npipelinerl: the gateway exits: it cannot serve without SGLang", flush=True)
+                logging.shutdown()
+                os._exit(1)
 
     async def stop(self) -> None:
+        if self._watch is not None:  # SGLang is stopped on purpose from here
+            self._watch.cancel()
+            self._watch = None
         if self._sgl is not None:
             await self._sgl.close()
         if self._proc is not None:
@@ -195,14 +223,21 @@ class SGLangInferenceBackend(KitBackend):
             "group_name": name,
             "backend": req.backend,
         }
+        # The store first: SGLang joins with torch's default timeout (30 min), blocking its
+        # scheduler (every generation) meanwhile, so it is asked only once the store answers.
         try:
-            if req.signed_rendezvous:
-                await self._sign_next_rendezvous(req)
-            joined = asyncio.create_task(self.sglang.control("/init_weights_update_group", body))
             decisions = await asyncio.to_thread(
                 DecisionBoard.connect, req.init_method, name, req.timeout_s, req.group_secret
             )
-            await asyncio.wait_for(joined, req.timeout_s + 30)
+        except GroupError as e:
+            raise GroupError(
+                f"could not form group {req.group_name!r} at {req.init_method}: its store did not answer within "
+                f"timeout_s={req.timeout_s:g} (SGLang was not asked to join): {e}"
+            ) from e
+        try:
+            if req.signed_rendezvous:
+                await self._sign_next_rendezvous(req)
+            await asyncio.wait_for(self.sglang.control("/init_weights_update_group", body), req.timeout_s + 30)
         except (SGLangError, TimeoutError) as e:
             raise GroupError(f"SGLang could not join {req.group_name!r} at {req.init_method}: {e}") from e
         self._decisions = decisions
@@ -368,9 +403,16 @@ class SGLangInferenceBackend(KitBackend):
     def _refuse(self, req: wire.SamplingRequest) -> None:
         """What SGLang cannot do, refused before anything is sent (400 naming the field): the
         kit's :func:`~pipelinerl_sdk.kit.inference.chat.refuse` of :data:`UNSUPPORTED` (a logit
-        bias), prompt logprob alternatives (SGLang's one ``top_logprobs_num`` is shared by the
-        prompt and the completion)."""
+        bias), ``stop_token_ids`` outside the vocabulary (as the reference refuses them), prompt
+        logprob alternatives (SGLang's one ``top_logprobs_num`` is shared by the prompt and the
+        completion)."""
         refuse(req, UNSUPPORTED)
+        bound = vocabulary_bound(self.tokenizer, self.vocab_size)
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < bound]
+        if bad:  # (SGLang's scheduler takes them as they come)
+            raise InvalidRequest(
+                f"stop_token_ids: token ids {bad[:5]} outside the vocabulary [0, {bound})", field="stop_token_ids"
+            )
         if req.prompt_top:
             raise InvalidRequest(
                 "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
@@ -386,7 +428,11 @@ class SGLangInferenceBackend(KitBackend):
             "max_new_tokens": plan.max_tokens,
             "temperature": plan.temperature,
             "top_p": plan.top_p,
-            "top_k": req.top_k or -1,
+            # off past the vocabulary (keeps every token, as asked): SGLang makes an int32 tensor
+            # of the batch's top_k, and one past 2^31 killed its scheduler
+            "top_k": req.top_k
+            if req.top_k and 0 < req.top_k < vocabulary_bound(self.tokenizer, self.vocab_size)
+            else -1,
             "min_p": req.min_p,
             "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty,
@@ -400,7 +446,7 @@ class SGLangInferenceBackend(KitBackend):
         if plan.stop_token_ids:
             sampling["stop_token_ids"] = list(plan.stop_token_ids)
         if req.seed is not None:
-            sampling["sampling_seed"] = req.seed + i
+            sampling["sampling_seed"] = (req.seed + i) % (1 << 63)  # an int64, as SGLang's tensors hold it
         if plan.structured is not None:
             if plan.constraint is None:
                 raise RuntimeError("a structured plan must be prepared (its constraint checked) before it is sampled")
@@ -447,7 +493,7 @@ class SGLangInferenceBackend(KitBackend):
         """``/v1/completions``: every prompt's ``n`` samples on SGLang at once, prompt logprobs
         from each prompt's first sample."""
         self._refuse(req)
-        plans = await plan_completion(self.tokenizer, req, self._context)
+        plans = await plan_completion(self.tokenizer, req, self._context, self.vocab_size)
         n = req.n
         outs = await asyncio.gather(
             *(self.sglang.generate(self._body(plan, req, i)) for plan in plans for i in range(n))

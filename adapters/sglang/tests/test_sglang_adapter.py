@@ -366,6 +366,26 @@ def test_a_failing_scheduler_hook_reports_its_error_and_sglang_lives_on(sglang_s
 
 
 @requires_sglang
+def test_sampling_values_sglang_cannot_hold_never_reach_its_scheduler(sglang_server: ServerProcess) -> None:
+    """A ``top_k`` past 2^31 killed SGLang's scheduler (an int32 tensor of the batch's top_k;
+    found by tests/reliability's fuzzing): past the vocabulary it is off, as asked (every token
+    kept); a seed past int64 is taken modulo 2^63; ``stop_token_ids`` outside the vocabulary are
+    refused naming the field, as on the reference. The server serves on."""
+    import httpx
+
+    def chat(**extra: Any) -> httpx.Response:
+        body = {"messages": PROMPT, "max_tokens": 4, "temperature": 0, **extra}
+        return httpx.post(sglang_server.url + "/v1/chat/completions", json=body, timeout=60)
+
+    plain = chat().json()["choices"][0]["message"]
+    assert chat(top_k=2**31 + 5).json()["choices"][0]["message"] == plain
+    assert chat(top_k=2**40, temperature=1.0, seed=2**70).status_code == 200
+    refused = chat(stop_token_ids=[5, -1])
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop_token_ids", refused.text
+    assert chat().json()["choices"][0]["message"] == plain
+
+
+@requires_sglang
 def test_generation_waits_for_a_direct_receive(
     sglang_server: ServerProcess, tiny_model: Path, record_property: Callable[[str, object], None]
 ) -> None:

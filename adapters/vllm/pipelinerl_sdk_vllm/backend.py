@@ -14,9 +14,12 @@ router mounted in front of it.
   weight-transfer machinery with the SDK's engine (:mod:`.transfer`): arm =
   ``start_weight_update`` + ``update_weights(op=receive)`` (returns at once; the worker waits for
   the trainer's ``go``, then receives on a background thread); go and receive = poll the workers'
-  status; pause = ``pause_generation(mode="keep")``/``resume_generation``; apply =
+  status; first bytes = every worker's first bucket arrived (the worker pushes its status then);
+  pause = ``pause_generation(mode="keep")``/``resume_generation``; apply =
   ``finish_weight_update(version)`` (apply + version); abandon = ``finish_weight_update(None)``.
-  ``direct`` mode pauses once every worker has the ``go``, ``staged`` only for the apply.
+  ``direct`` mode pauses once every worker's first bucket arrived (the workers receive into a
+  staging buffer of their own, so nothing live is written before the apply: a trainer stuck after
+  its ``go`` holds no generation), ``staged`` only for the apply.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -161,11 +164,13 @@ class VLLMInferenceBackend(KitBackend):
         received: bool,
         deciding: _Deciding | None = None,
         seen: list[dict[str, Any]] | None = None,
+        watch: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> float:
         """:func:`~pipelinerl_sdk_vllm.jobs.wait_jobs` over this engine's workers; with
         ``deciding``, once it is to be cancelled, the workers' decision waits are ended first
         (each worker's job then fails, aborted, naming why; one that already had the trainer's
-        ``go`` goes on receiving). ``seen`` is replaced by the last statuses read."""
+        ``go`` goes on receiving). ``seen`` is replaced by the last statuses read; ``watch`` is
+        called with every worker's statuses each time they are read (pushed or polled)."""
 
         async def statuses() -> list[dict[str, Any]]:
             if deciding is not None and deciding.cancel is not None and not deciding.sent:
@@ -173,9 +178,11 @@ class VLLMInferenceBackend(KitBackend):
                 why = deciding.cancel
                 ended = await self._engine.collective_rpc("pipelinerl_cancel_decision", args=(key, why))
                 log.info("%s: decision wait ended in %d of %d worker(s): %s", key, sum(ended), len(ended), why)
-            read = self._pushed(key, received) or list(await self._engine.collective_rpc("pipelinerl_status"))
+            read = self._pushed(key, received, watch) or list(await self._engine.collective_rpc("pipelinerl_status"))
             if seen is not None:
                 seen[:] = read
+            if watch is not None:
+                watch(read)
             return read
 
         inbox = self._inbox
@@ -184,9 +191,12 @@ class VLLMInferenceBackend(KitBackend):
         poll_s = PUSHED_POLL_S if inbox.reached else POLL_S
         return await wait_jobs(statuses, key, deadline, received=received, poll_s=poll_s, nap=inbox.wait)
 
-    def _pushed(self, key: str, received: bool) -> list[dict[str, Any]] | None:
+    def _pushed(
+        self, key: str, received: bool, watch: Callable[[list[dict[str, Any]]], None] | None = None
+    ) -> list[dict[str, Any]] | None:
         """The workers' pushed statuses (:mod:`.status_push`) when every worker's is about job
-        ``key`` and it has settled there (or failed); else None (then poll)."""
+        ``key`` and it has settled there (or failed); else None (then poll). ``watch`` sees them
+        whenever every worker's is about ``key``, settled or not."""
         inbox = self._inbox
         if inbox is None:
             return None
@@ -194,6 +204,8 @@ class VLLMInferenceBackend(KitBackend):
         pushed = inbox.statuses(self.workers)
         if pushed is None or any((s.get("job") or {}).get("key") != key for s in pushed):
             return None
+        if watch is not None:
+            watch(pushed)
         try:
             return pushed if settled(pushed, key, received=received) is not None else None
         except PipelineRLError:
@@ -217,6 +229,16 @@ class VLLMInferenceBackend(KitBackend):
         deciding = _Deciding(key)
         statuses: list[dict[str, Any]] = []  # the workers' last status (their receive's stamps)
         applied: list[dict[str, float]] = []  # each worker's apply stamps
+        flowing: list[asyncio.Future[None]] = []  # done once every worker's first bucket arrived
+
+        def first_bucket() -> asyncio.Future[None]:
+            if not flowing:
+                flowing.append(asyncio.get_running_loop().create_future())
+            return flowing[0]
+
+        def watch(read: list[dict[str, Any]]) -> None:
+            if all(_bytes_flow(s, key) for s in read) and not first_bucket().done():
+                first_bucket().set_result(None)
 
         def decided() -> None:
             if self._deciding is deciding:
@@ -237,7 +259,13 @@ class VLLMInferenceBackend(KitBackend):
                 decided()
 
         async def receive() -> float:
-            return await self._wait_jobs(key, deadline, received=True, seen=statuses)
+            first_bucket()  # (made on the loop)
+            return await self._wait_jobs(key, deadline, received=True, seen=statuses, watch=watch)
+
+        async def first_bytes() -> None:
+            """Every worker's first bucket arrived: read from the statuses ``receive`` reads (the
+            workers push theirs at that moment; polling is the fallback)."""
+            await first_bucket()
 
         async def apply() -> None:
             # vLLM's finish_weight_update(version): the workers' finish (ours returns its
@@ -266,7 +294,9 @@ class VLLMInferenceBackend(KitBackend):
                 out["worker_first_bucket"] = min(firsts)
             return out
 
-        return UpdateSteps(await_go, receive, apply, self._paused, arm=arm, abandon=abandon, stamps=stamps)
+        return UpdateSteps(
+            await_go, receive, apply, self._paused, arm=arm, abandon=abandon, first_bytes=first_bytes, stamps=stamps
+        )
 
     @asynccontextmanager
     async def _paused(self) -> AsyncIterator[None]:
@@ -321,28 +351,38 @@ class VLLMInferenceBackend(KitBackend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(
-            n=1,
-            structured_outputs=_structured(plan.structured),
-            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-            **sampling_args(plan, req, i),
-            max_tokens=plan.max_tokens,
-            stop=list(plan.stop) or None,
-            stop_token_ids=list(plan.stop_token_ids) or None,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=plan.top if _wants_logprobs(req) else None,
-            prompt_logprobs=req.prompt_top if i == 0 else None,
-            ignore_eos=req.ignore_eos,
-            skip_special_tokens=req.skip_special_tokens,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        )
+        with _refused_by_vllm():
+            return SamplingParams(
+                n=1,
+                structured_outputs=_structured(plan.structured),
+                logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+                **sampling_args(plan, req, i),
+                max_tokens=plan.max_tokens,
+                stop=list(plan.stop) or None,
+                stop_token_ids=list(plan.stop_token_ids) or None,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=plan.top if _wants_logprobs(req) else None,
+                prompt_logprobs=req.prompt_top if i == 0 else None,
+                ignore_eos=req.ignore_eos,
+                skip_special_tokens=req.skip_special_tokens,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            )
+
+    async def _generate(self, plan: ChatPlan, params: Any, rid: str) -> AsyncGenerator[Any, None]:
+        """vLLM's outputs of request ``rid`` on ``plan``'s prompt; what vLLM refuses as the
+        client's fault (its ``VLLMClientError``s: a token id out of the vocabulary, a sampling
+        value it does not take) is an InvalidRequest naming vLLM's parameter (400), not a 500.
+        Closing it early aborts the request in vLLM."""
+        outputs = self._engine.generate({"prompt_token_ids": plan.prompt_ids}, params, rid)
+        async with aclosing(outputs):
+            with _refused_by_vllm():
+                async for out in outputs:
+                    yield out
 
     async def _final(self, plan: ChatPlan, req: wire.SamplingRequest, i: int) -> Any:
         """Sample ``i`` of ``req`` for ``plan``'s prompt, run to its end: vLLM's last output."""
         final = None
-        async for out in self._engine.generate(
-            {"prompt_token_ids": plan.prompt_ids}, self._params(plan, req, i), f"cmpl-{uuid.uuid4().hex}"
-        ):
+        async for out in self._generate(plan, self._params(plan, req, i), f"cmpl-{uuid.uuid4().hex}"):
             final = out
         if final is None:
             raise RuntimeError("vLLM returned no output")
@@ -373,7 +413,7 @@ class VLLMInferenceBackend(KitBackend):
             plan,
             [
                 assemble_choice(
-                    self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan.top), tool_parser=self.tool_parser
+                    self.tokenizer, i, req, **self._outcome(o.outputs[0], req, plan), tool_parser=self.tool_parser
                 )
                 for i, o in enumerate(outs)
             ],
@@ -382,7 +422,7 @@ class VLLMInferenceBackend(KitBackend):
         )
 
     async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
-        plans = await plan_completion(self.tokenizer, req, self._engine.model_config.max_model_len)
+        plans = await plan_completion(self.tokenizer, req, self._engine.model_config.max_model_len, self.vocab_size)
         n = req.n
         outs = await asyncio.gather(*(self._final(plan, req, i) for plan in plans for i in range(n)))
         choices = [
@@ -392,7 +432,7 @@ class VLLMInferenceBackend(KitBackend):
                 req,
                 plans[k // n],
                 prompt_logprobs=self._prompt_entries(outs[k - k % n], req),
-                **self._outcome(o.outputs[0], req, plans[k // n].top),
+                **self._outcome(o.outputs[0], req, plans[k // n]),
             )
             for k, o in enumerate(outs)
         ]
@@ -400,16 +440,17 @@ class VLLMInferenceBackend(KitBackend):
             self.model_name, plans, choices, completion_tokens=sum(len(o.outputs[0].token_ids) for o in outs)
         )
 
-    def _outcome(self, c: Any, req: wire.SamplingRequest, top: int) -> dict[str, Any]:
+    def _outcome(self, c: Any, req: wire.SamplingRequest, plan: ChatPlan) -> dict[str, Any]:
         """One finished vLLM ``CompletionOutput`` as the assembly's keywords: its text (vLLM's
         stop rule), tokens, per-token versions (vLLM's spans), logprobs, finish and stop reason."""
         token_ids = [int(t) for t in c.token_ids]
-        logprobs, tops = _token_logprobs(token_ids, c.logprobs, req, top)
+        finish = _finish(c.finish_reason, plan)  # first: an engine error is never a choice
+        logprobs, tops = _token_logprobs(token_ids, c.logprobs, req, plan.top)
         return {
             "text": str(c.text),
             "token_ids": token_ids,
             "versions": versions_from_spans(_spans(c.weight_versions), len(token_ids), engine="vLLM"),
-            "finish_reason": _finish(c.finish_reason),
+            "finish_reason": finish,
             "stop_reason": c.stop_reason,
             "logprobs": logprobs,
             "top_logprobs": tops,
@@ -428,7 +469,7 @@ class VLLMInferenceBackend(KitBackend):
         processor = self._engine.output_processor
         state: Any = None
         done = 0  # tokens already stepped
-        outputs = self._engine.generate({"prompt_token_ids": plan.prompt_ids}, params, rid)
+        outputs = self._generate(plan, params, rid)
         async with aclosing(outputs):  # closing early (the client left) aborts the request in vLLM
             async for out in outputs:
                 c = out.outputs[0]
@@ -448,7 +489,7 @@ class VLLMInferenceBackend(KitBackend):
                     logprobs if logprobs else [0.0] * len(ids),
                     versions,
                     tops or (),
-                    _finish(c.finish_reason) if c.finish_reason is not None else None,
+                    _finish(c.finish_reason, plan) if c.finish_reason is not None else None,
                 )
                 done = end
 
@@ -461,13 +502,47 @@ class VLLMInferenceBackend(KitBackend):
         run(self, config)
 
 
+def _bytes_flow(status: dict[str, Any], key: str) -> bool:
+    """Whether a worker's ``status`` says the receive job ``key`` has its first bucket (or all)."""
+    job = status.get("job") or {}
+    return job.get("key") == key and (
+        job.get("state") == "received" or "worker_first_bucket" in (job.get("stamps") or {})
+    )
+
+
+@contextmanager
+def _refused_by_vllm() -> Iterator[None]:
+    """vLLM's ``VLLMClientError`` (a request vLLM refuses, its own 4xx) raised in the block as
+    the SDK's InvalidRequest naming vLLM's ``parameter`` where it names one."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        yield
+    except VLLMClientError as e:
+        raise InvalidRequest(f"vLLM refused the request: {e}", field=getattr(e, "parameter", None)) from e
+
+
 def _wants_logprobs(req: wire.SamplingRequest) -> bool:
     """Chat asks with ``logprobs: true``, completions with ``logprobs: N`` (0 included)."""
     asked = getattr(req, "logprobs", None)
     return asked is not None and asked is not False
 
 
-def _finish(reason: str | None) -> Literal["stop", "length", "abort"]:
+def _finish(reason: str | None, plan: ChatPlan) -> Literal["stop", "length", "abort"]:
+    """The choice's finish reason from vLLM's (``repetition`` is a stop). vLLM's ``error``
+    (a request it failed: its invariant is a 500) raises, never a choice that looks finished
+    (it was a 200 with no text): for a request with a grammar, InvalidRequest naming its field
+    (vLLM fails a request whose grammar does not compile, e.g. a regex past its compile time
+    limit, ``VLLM_REGEX_COMPILATION_TIMEOUT_S``, 5 s by default), else RuntimeError (a 500)."""
+    if reason == "error":
+        so = plan.structured
+        if so is not None:
+            raise InvalidRequest(
+                f"{so.field}: vLLM failed the request; its grammar did not compile within vLLM's limits "
+                "(VLLM_REGEX_COMPILATION_TIMEOUT_S for a regex; the server log has vLLM's reason)",
+                field=so.field,
+            )
+        raise RuntimeError("vLLM failed the request (finish reason 'error'; the server log has vLLM's reason)")
     return reason if reason in ("stop", "length", "abort") else "stop"  # type: ignore[return-value]
 
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.errors import DecisionTimeout, GroupError, UpdateAborted, UpdateFailed
 from pipelinerl_sdk.protocol import ParamSpec
 
 
@@ -66,8 +66,9 @@ async def wait_jobs(
 def settled(statuses: Sequence[dict[str, Any]], key: str, *, received: bool, engine: str = "vLLM") -> float | None:
     """Where the receive job ``key`` stands on every worker: the slowest receive time once every
     worker has the trainer's ``go`` (or, with ``received``, holds every byte); None while some
-    still wait. Raises UpdateAborted (the trainer called it off), GroupError (a worker's receive
-    failed or timed out: the group is broken), UpdateFailed (a worker lost the job)."""
+    still wait. Raises UpdateAborted (the trainer called it off), DecisionTimeout (no decision of
+    the trainer's came in time: a 408; the group is broken), GroupError (a worker's receive failed
+    or timed out: the group is broken), UpdateFailed (a worker lost the job)."""
     done = {"received"} if received else {"receiving", "received"}
     jobs = [s.get("job") or {} for s in statuses]
     broken = next((s["group_broken"] for s in statuses if s.get("group_broken")), None)
@@ -75,6 +76,8 @@ def settled(statuses: Sequence[dict[str, Any]], key: str, *, received: bool, eng
     if failed:
         if all(j.get("aborted") for j in failed):
             raise UpdateAborted(failed[0]["error"])
+        if all(j.get("timed_out") for j in failed):
+            raise DecisionTimeout(failed[0]["error"])
         raise GroupError(broken or failed[0]["error"])
     if all(j.get("key") == key and j.get("state") in done for j in jobs):
         return max(float(j.get("receive_s", 0.0)) for j in jobs)

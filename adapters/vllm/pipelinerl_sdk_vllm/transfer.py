@@ -11,8 +11,9 @@ vLLM creates one instance in every worker (registered as ``pipelinerl`` by
   thread waits for the trainer's ``go`` in the group's store, then receives every bucket into a
   staging buffer. vLLM runs ``update_weights`` on the engine core's only RPC thread, between
   scheduler steps; a receive on that thread would stop generation for the whole broadcast, so it
-  never blocks there. The job reports ``deciding`` until the ``go``, then ``receiving``, so the API
-  server can hold generation (``direct``) only once bytes flow;
+  never blocks there. The job reports ``deciding`` until the ``go``, then ``receiving``, and stamps
+  (and pushes) ``worker_first_bucket`` once the first bucket arrived, so the API server holds
+  generation (``direct``) only once bytes flow: nothing live is written before the apply;
 - ``finish_weight_update``: if the staged update arrived complete, apply it in one go through vLLM's
   layerwise reload (``initialize_layerwise_reload`` / ``model.load_weights`` /
   ``finalize_layerwise_reload``: on CPU the linear weights are repacked for oneDNN, so writing
@@ -39,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from pipelinerl_sdk.errors import UpdateAborted
+from pipelinerl_sdk.errors import DecisionTimeout, UpdateAborted
 from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, probe_key, update_key
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
@@ -92,6 +93,8 @@ class _Job:
     state: str = "deciding"  # deciding (no go yet) | receiving | received | failed
     error: str | None = None
     aborted: bool = False
+    #: Failed because no decision of the trainer's came in time (DecisionTimeout: a 408).
+    timed_out: bool = False
     staged: StagedWeights | None = None
     receive_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -176,9 +179,12 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 job.stamps["worker_go"] = time.time()
                 job.state = "receiving"
                 push(self.status())
-                staged = receiver.receive_decided(
-                    plan, on_first_bucket=lambda: job.stamps.__setitem__("worker_first_bucket", time.time())
-                )
+
+                def first_bucket() -> None:  # bytes flow: the server may hold generation now
+                    job.stamps["worker_first_bucket"] = time.time()
+                    push(self.status())
+
+                staged = receiver.receive_decided(plan, on_first_bucket=first_bucket)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 job.stamps["worker_last_bucket"] = time.time()
@@ -201,6 +207,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 job.state = "received"
             except (UpdateAborted, NonFiniteWeights) as e:  # the group stays healthy
                 job.error, job.aborted, job.state = str(e), True, "failed"
+            except DecisionTimeout as e:  # the trainer never decided (the group is marked broken)
+                job.error, job.timed_out, job.state = str(e), True, "failed"
             except BaseException as e:
                 job.error, job.state = f"{type(e).__name__}: {e}", "failed"
             push(self.status())  # the server need not wait for its next poll
@@ -276,6 +284,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
                 "state": job.state,
                 "error": job.error,
                 "aborted": job.aborted,
+                "timed_out": job.timed_out,
                 "receive_s": job.receive_s,
                 "stamps": dict(job.stamps),
             },

@@ -173,3 +173,22 @@ def test_cancel_decision_ends_only_a_receive_still_waiting_for_the_go(
     job.thread.join(GROUP_TIMEOUT_S + 30)
     assert job.state == "received", (job.state, job.error)
     assert all(torch.equal(t, torch.full((64, 32), float(n[1:]))) for n, t in job.staged.tensors())
+
+
+def test_a_receive_without_the_trainers_decision_is_a_decision_timeout() -> None:
+    """A worker whose wait for the decision timed out reports it (``timed_out``): the server
+    raises DecisionTimeout (408), not the GroupError of a failed receive (502); a failed receive
+    is still a GroupError."""
+    from pipelinerl_sdk_vllm.jobs import settled
+
+    from pipelinerl_sdk.errors import DecisionTimeout, GroupError
+
+    def status(timed_out: bool) -> dict[str, Any]:
+        job = {"key": "probe/1", "state": "failed", "error": "no decision", "aborted": False, "timed_out": timed_out}
+        return {"rank": 1, "group_broken": "no decision", "job": job}
+
+    with pytest.raises(DecisionTimeout, match="no decision"):
+        settled([status(True), status(True)], "probe/1", received=True)
+    with pytest.raises(GroupError) as failed:
+        settled([status(True), status(False)], "probe/1", received=True)
+    assert not isinstance(failed.value, DecisionTimeout)

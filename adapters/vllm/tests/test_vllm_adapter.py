@@ -110,6 +110,28 @@ class TestVLLMStatefulContract(StatefulContractTests):
 
 
 @requires_vllm
+def test_a_request_vllm_failed_is_an_error_never_a_finished_choice() -> None:
+    """vLLM's finish reason ``error`` (its scheduler failed the request; its own server answers
+    500) was read as ``stop``: a streamed chat whose 28 KB regex missed vLLM's 5 s compile limit
+    on a busy machine came back 200 with no text (tests/reliability's slow-grammar check). Now a
+    request with a grammar is refused naming its field, any other is an error (500)."""
+    from pipelinerl_sdk_vllm.backend import _finish
+
+    from pipelinerl_sdk.errors import InvalidRequest
+    from pipelinerl_sdk.kit.inference.chat import ChatPlan
+    from pipelinerl_sdk.kit.inference.structured import StructuredOutput
+
+    free = ChatPlan([1, 2], 4, 0)
+    constrained = ChatPlan([1, 2], 4, 0, structured=StructuredOutput("regex", "(ab|cd)*", "structured_outputs"))
+    assert [_finish(r, free) for r in ("stop", "length", "abort", "repetition")] == ["stop", "length", "abort", "stop"]
+    with pytest.raises(InvalidRequest) as refused:
+        _finish("error", constrained)
+    assert refused.value.field == "structured_outputs"
+    with pytest.raises(RuntimeError, match="vLLM failed the request"):
+        _finish("error", free)
+
+
+@requires_vllm
 def test_backend_and_weight_transfer_engine_are_registered() -> None:
     from importlib import metadata
 
@@ -646,9 +668,9 @@ def test_apply_floor_and_the_timeline_of_one_update(vllm_server: ServerProcess, 
             tl = timeline(pub.last.stamps, next(iter(pub.last.events.values())))
             assert tl[ORIGIN] == 0 and all(v >= 0 for v in tl.values()), tl
             phases = [p for p in SERVER_PHASES if p != "first_bucket"]  # (it stamps worker_first_bucket)
-            if mode == "direct":  # held from the trainer's go on
+            if mode == "direct":  # held once every worker's first bucket is in: the last may come before
                 phases.remove("last_bucket")
-                phases.insert(phases.index("apply_start"), "last_bucket")
+                assert tl["server.worker_first_bucket"] <= tl["server.pause_start"], tl
             server = [tl[f"server.{p}"] for p in phases]
             assert server == sorted(server), tl
             order = ["server.worker_last_bucket", "server.last_bucket", "server.apply_start"]
@@ -686,8 +708,10 @@ def test_apply_floor_and_the_timeline_of_one_update(vllm_server: ServerProcess, 
 def test_generation_during_a_receive(
     vllm_server: ServerProcess, tiny_model: Path, mode: str, record_property: Callable[[str, object], None]
 ) -> None:
-    """The trainer holds the broadcast open for ``hold`` seconds after ``go``: with ``staged``
-    vLLM keeps generating meanwhile (tokens come out), with ``direct`` it is paused."""
+    """The trainer holds the broadcast open for ``hold`` seconds after its first bucket: with
+    ``staged`` vLLM keeps generating meanwhile (tokens come out), with ``direct`` it is paused
+    (bytes flow). Before the first bucket neither holds anything (``tests/reliability``'s
+    ``test_direct_update_pauses_only_once_bytes_flow``)."""
     from pipelinerl_sdk.conformance.mirror import Mirror
 
     mirror = Mirror(tiny_model, "float32")
@@ -695,7 +719,8 @@ def test_generation_during_a_receive(
 
     async def body() -> None:
         async with InferenceClient(vllm_server.url, control_token=vllm_server.control_token) as client:
-            pub = WeightPublisher([client], bucket_bytes=1 << 20, mode=mode, timeout_s=60)  # type: ignore[arg-type]
+            # 64 KiB buckets: the first param (the embedding, 256 KiB) is the first bucket alone
+            pub = WeightPublisher([client], bucket_bytes=64 << 10, mode=mode, timeout_s=60)  # type: ignore[arg-type]
             await pub.connect()
             info = await client.info()
             mirror.perturb(seed=info.version + 100)
@@ -709,10 +734,11 @@ def test_generation_during_a_receive(
                         tokens += len(r.choices[0].weight_versions)
 
             async with pub.update(info.version + 1, info.params) as sink:
-                await asyncio.sleep(0.2)  # the server's receive is armed and waiting for bytes
+                await asyncio.to_thread(mirror.send_all, sink, info.params, stop_after=1)  # the first bucket
+                await asyncio.sleep(1.0)  # the server has it (direct: and holds generation)
                 chats = asyncio.create_task(generate_until(time.monotonic() + hold))
                 await asyncio.sleep(hold)
-                await asyncio.to_thread(mirror.send_all, sink, info.params)
+                await asyncio.to_thread(mirror.send_all, sink, info.params, start=1)
             await asyncio.wait_for(chats, 60)  # paused chats (direct) finish after the update
             assert pub.last is not None
             event = next(iter(pub.last.events.values()))

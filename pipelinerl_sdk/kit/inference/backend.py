@@ -97,6 +97,9 @@ class KitBackend(InferenceBackend):
         self.workers = 1
         #: The model's HF tokenizer (:meth:`read_model_files`, or the adapter's own).
         self.tokenizer: Any = None
+        #: The model's vocabulary size (its config's ``vocab_size``: :meth:`read_model_files`, or
+        #: the adapter's own); token-id prompts are checked against it (and the tokenizer's size).
+        self.vocab_size: int | None = None
 
     @property
     def tool_parser(self) -> str | None:
@@ -105,15 +108,18 @@ class KitBackend(InferenceBackend):
         return self.opts.get("tool_call_parser")
 
     def read_model_files(self) -> None:
-        """Fill :attr:`tokenizer` (HF ``AutoTokenizer`` of the model directory) and :attr:`specs`
-        (its params under HF names in the served dtype) without loading any weight: for an engine
-        that loads the model itself."""
-        from transformers import AutoTokenizer
+        """Fill :attr:`tokenizer` (HF ``AutoTokenizer`` of the model directory), :attr:`specs`
+        (its params under HF names in the served dtype) and :attr:`vocab_size` (its config's)
+        without loading any weight: for an engine that loads the model itself."""
+        from transformers import AutoConfig, AutoTokenizer
 
         from pipelinerl_sdk.weights.tensors import hf_param_specs
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.specs = hf_param_specs(self.config.model, self.config.dtype)
+        hf = AutoConfig.from_pretrained(self.config.model)
+        size = getattr(hf.get_text_config(), "vocab_size", None)
+        self.vocab_size = int(size) if isinstance(size, int) else None
 
     def param_specs(self) -> list[ParamSpec]:
         return list(self.specs)
@@ -183,7 +189,10 @@ class KitBackend(InferenceBackend):
         and ``completions``): planned first (400s here), then the kit's chunks."""
         if self.max_model_len is None:
             raise NotImplementedError(f"{type(self).__name__} must report max_model_len to stream")
-        plans = [await self.prepare(p) for p in await plan_completion(self.tokenizer, req, self.max_model_len)]
+        plans = [
+            await self.prepare(p)
+            for p in await plan_completion(self.tokenizer, req, self.max_model_len, self.vocab_size)
+        ]
         samples = [self.sample_steps(plan, req, i) for plan in plans for i in range(req.n)]
         return completion_chunks(self.tokenizer, self.model_name, req, plans, samples, self.ending_ids(req))
 

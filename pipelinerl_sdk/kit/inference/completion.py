@@ -25,12 +25,32 @@ from pipelinerl_sdk.protocol import (
     Usage,
 )
 
-__all__ = ["assemble_completion", "completion_choice", "completion_logprobs", "plan_completion", "prepare_completion"]
+__all__ = [
+    "assemble_completion",
+    "completion_choice",
+    "completion_logprobs",
+    "plan_completion",
+    "prepare_completion",
+    "vocabulary_bound",
+]
 
 
-def _prompt_ids(tokenizer: Any, prompt: str | list[int], field: str) -> list[int]:
+def vocabulary_bound(tokenizer: Any, vocab_size: int | None) -> int:
+    """One past the largest token id a prompt may carry: the model's ``vocab_size`` (its
+    embedding rows, which may outnumber the tokenizer's tokens: padding a model can sample) or
+    the tokenizer's size, whichever is larger (a tokenizer may have placeholder tokens past the
+    model's)."""
+    return max(len(tokenizer), vocab_size or 0)
+
+
+def _prompt_ids(tokenizer: Any, prompt: str | list[int], field: str, vocab_size: int | None) -> list[int]:
     if isinstance(prompt, list):
-        return [int(t) for t in prompt]
+        ids = [int(t) for t in prompt]
+        bound = vocabulary_bound(tokenizer, vocab_size)
+        bad = [t for t in ids if not 0 <= t < bound]
+        if bad:
+            raise InvalidRequest(f"{field}: token ids {bad[:5]} outside the vocabulary [0, {bound})", field=field)
+        return ids
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -41,14 +61,17 @@ def _prompt_ids(tokenizer: Any, prompt: str | list[int], field: str) -> list[int
     return ids
 
 
-def prepare_completion(tokenizer: Any, req: CompletionRequest, max_model_len: int) -> list[ChatPlan]:
+def prepare_completion(
+    tokenizer: Any, req: CompletionRequest, max_model_len: int, vocab_size: int | None = None
+) -> list[ChatPlan]:
     """One plan per prompt of ``req``: its ids (text tokenized with the model's special tokens,
-    as vLLM; token ids as given), the token budget (16 by default, as vLLM; ``null``: the rest of
-    the context), the logprob alternatives (``logprobs`` N), the stop rule and sampling values.
-    InvalidRequest naming the field for what is not served (``echo``, ``suffix``, prompt
-    logprobs in a stream)
-    and PromptTooLong naming ``prompt`` or ``max_tokens`` past ``max_model_len``. Whether a
-    backend streams is the router's check (capability ``streaming``)."""
+    as vLLM; token ids as given, each in the vocabulary: :func:`vocabulary_bound` of the model's
+    ``vocab_size``, else an InvalidRequest naming the prompt), the token budget (16 by default,
+    as vLLM; ``null``: the rest of the context), the logprob alternatives (``logprobs`` N), the
+    stop rule and sampling values. InvalidRequest naming the field for what is not served
+    (``echo``, ``suffix``, prompt logprobs in a stream) and PromptTooLong naming ``prompt`` or
+    ``max_tokens`` past ``max_model_len``. Whether a backend streams is the router's check
+    (capability ``streaming``)."""
     if req.echo:
         raise InvalidRequest("echo: not served (the prompt is in prompt_token_ids)", field="echo")
     if req.suffix is not None:
@@ -59,7 +82,7 @@ def prepare_completion(tokenizer: Any, req: CompletionRequest, max_model_len: in
     plans = []
     for p, prompt in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt.{p}"
-        ids = _prompt_ids(tokenizer, prompt, field)
+        ids = _prompt_ids(tokenizer, prompt, field, vocab_size)
         room = max_model_len - len(ids)
         if room < 1:
             raise PromptTooLong(
@@ -85,9 +108,11 @@ def prepare_completion(tokenizer: Any, req: CompletionRequest, max_model_len: in
     return plans
 
 
-async def plan_completion(tokenizer: Any, req: CompletionRequest, max_model_len: int) -> list[ChatPlan]:
+async def plan_completion(
+    tokenizer: Any, req: CompletionRequest, max_model_len: int, vocab_size: int | None = None
+) -> list[ChatPlan]:
     """:func:`prepare_completion` on a worker thread (tokenizing is CPU work)."""
-    return await asyncio.to_thread(prepare_completion, tokenizer, req, max_model_len)
+    return await asyncio.to_thread(prepare_completion, tokenizer, req, max_model_len, vocab_size)
 
 
 def completion_logprobs(
