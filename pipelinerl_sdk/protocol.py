@@ -38,6 +38,13 @@ def update_key(version: int) -> str:
     return f"update/{version}"
 
 
+def sending_key(version: int) -> str:
+    """The group-store key of the trainer's mark that the update to ``version`` has its first
+    param in hand (``go``; bytes flow next) or failed before sending any (``abort``). A receiver
+    whose engine receives in place (SGLang) holds generation only once it is set."""
+    return f"update/{version}/sending"
+
+
 def probe_key(probe_id: int) -> str:
     """The group-store key of the trainer's decision on the probe broadcast ``probe_id``."""
     return f"probe/{probe_id}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -67,7 +68,7 @@ def transfer(
 
 
 def start(
-    pair: tuple[WeightSyncGroup, WeightReceiver], plan: BucketPlan
+    pair: tuple[WeightSyncGroup, WeightReceiver], plan: BucketPlan, on_start: Callable[[], None] | None = None
 ) -> tuple[WeightSender, Callable[[], StagedWeights]]:
     """One update of ``plan``: rank 1 receives (a thread), the trainer's go is posted; returns the
     sender and a function that waits for what rank 1 received (and clears the decision)."""
@@ -83,7 +84,7 @@ def start(
         group.clear_decision(key)
         return staged.result(timeout=1)
 
-    return WeightSender(group, plan), received
+    return WeightSender(group, plan, on_start=on_start), received
 
 
 def model_params(sizes: list[tuple[int, torch.dtype]], seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -202,6 +203,36 @@ def test_a_slot_is_the_params_place_in_its_bucket_buffer(pair: tuple[WeightSyncG
     stats = sender.finish()
     assert all(places) and stats.buckets == len(plan.buckets) >= 4
     assert beyond and all(beyond)
+    assert_received(params, received())
+
+
+@pytest.mark.parametrize("first", ["send", "lend", "slot", "slot-of-the-next-bucket"])
+def test_on_start_runs_once_as_the_first_param_is_handed_over(
+    pair: tuple[WeightSyncGroup, WeightReceiver], first: str
+) -> None:
+    """``on_start`` (where the publisher posts its ``sending`` mark) runs when the first param is
+    handed over or its slot asked for, before any bucket is full, so before any broadcast; once."""
+    params = model_params([(256, torch.float32)] * 6)
+    plan = BucketPlan.build([spec_of(n, t) for n, t in params], 3 * 1024)  # 3 params a bucket
+    calls: list[float] = []
+    sender, received = start(pair, plan, on_start=lambda: calls.append(time.time()))
+    assert calls == []
+    name, tensor = params[0]
+    if first == "send":
+        sender.send(name, tensor)
+    elif first == "lend":
+        sender.lend(name, tensor)
+    elif first == "slot":
+        sender.slot(name)
+    else:
+        sender.slot(params[3][0])
+    assert len(calls) == 1
+    for i, (name, tensor) in enumerate(params):
+        if first in ("send", "lend") and i == 0:
+            continue
+        sender.send(name, tensor)
+    stats = sender.finish()
+    assert len(calls) == 1 and stats.first_bucket_at is not None and calls[0] <= stats.first_bucket_at
     assert_received(params, received())
 
 

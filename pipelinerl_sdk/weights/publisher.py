@@ -8,8 +8,11 @@ One update, end to end::
 1. every server gets ``/request_weight_update`` and validates it (4xx: nothing received);
 2. once *all* servers accepted, rank 0 posts ``go`` in the store; if any refused, it posts
    ``abort`` so the others return at once, and raises :class:`FanOutError` naming each server;
-3. the body streams tensors through the bucket plan; on exit the publisher waits for the last
-   broadcast and for every server's ``done``; any failure raises, naming the server.
+3. the body streams tensors through the bucket plan; as the first param is handed over, rank 0
+   posts its ``sending`` mark (:func:`~pipelinerl_sdk.protocol.sending_key`: an engine that
+   receives in place holds generation only from then on), or ``abort`` on it if the body fails
+   before; on exit the publisher waits for the last broadcast and for every server's ``done``;
+   any failure raises, naming the server.
 
 Every wait on a server is bounded by ``timeout_s``: a server that stopped answering (SIGSTOP, a
 hung process) is reported as such, naming it, within the update's timeout.
@@ -18,6 +21,7 @@ hung process) is reported as such, naming it, within the update's timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import socket
 import time
@@ -39,6 +43,7 @@ from pipelinerl_sdk.protocol import (
     UpdateEvent,
     WeightUpdateRequest,
     probe_key,
+    sending_key,
     update_key,
 )
 from pipelinerl_sdk.weights.auth import group_id, new_group_secret
@@ -205,7 +210,9 @@ class WeightPublisher:
             group_id=group.group_id,
         )
         key = update_key(version)
-        group.clear_decision(key)  # a stale decision for this version (an earlier, failed try) must not be read
+        # A stale decision for this version (an earlier, failed try) must not be read.
+        group.clear_decision(key)
+        group.clear_decision(sending_key(version))
         stamps = {"request_sent": time.time()}
         calls = [c.request_weight_update(req) for c in self.clients]
         accepted = await self._bounded(calls, "accepted")
@@ -220,14 +227,24 @@ class WeightPublisher:
             )
         group.post_decision(key, go=True)
         stamps["decision_posted"] = time.time()
-        sender = WeightSender(group, plan, self._buffers)
+        started = sending_key(version)
+
+        def on_start() -> None:
+            group.post_decision(started, go=True)
+            stamps["sending_posted"] = time.time()
+
+        sender = WeightSender(group, plan, self._buffers, on_start=on_start)
         try:
             yield sender
             stats = await asyncio.to_thread(sender.finish)
             self._buffers = sender.buffers or self._buffers
         except BaseException as e:
             # The receivers are mid-broadcast: they fail on their timeout (or at once if the
-            # group notices). Their old weights keep serving; report both sides.
+            # group notices); those still waiting for the sending mark end at once. Their old
+            # weights keep serving; report both sides.
+            if "sending_posted" not in stamps:
+                with contextlib.suppress(Exception):  # a lost store: the receivers' timeout ends them
+                    group.post_decision(started, go=False, reason=f"the trainer failed before sending: {e}")
             group.mark_broken(f"sender failed: {e}")
             finals = await self._bounded(calls, "final")
             server_errors = [
@@ -238,6 +255,7 @@ class WeightPublisher:
             raise
         finally:
             group.clear_decision(key)
+            group.clear_decision(started)
         finals = await self._bounded(calls, "final")
         stamps["done"] = time.time()
         failures = [_as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)]

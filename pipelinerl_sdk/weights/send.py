@@ -15,6 +15,9 @@ Three ways to hand over a param, in plan order:
   buckets.flat_layout`), the bucket is broadcast straight from that storage: no copy at all.
   Otherwise the lent tensors are packed like sent ones.
 
+``on_start`` is called once, when the first param is handed over or its slot asked for: the
+publisher posts its ``sending`` mark there (:func:`~pipelinerl_sdk.protocol.sending_key`).
+
 Memory: the two bucket buffers of ``plan.max_bucket_bytes``, allocated on the first bucket that
 needs packing (never, for a trainer whose every bucket is lent in place).
 """
@@ -22,6 +25,7 @@ needs packing (never, for a trainer whose every bucket is lent in place).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +59,16 @@ class WeightSender:
     :meth:`finish`. Any error leaves the group broken for the receivers' timeout to notice; the
     sender itself never retries."""
 
-    def __init__(self, group: WeightSyncGroup, plan: BucketPlan, buffers: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        plan: BucketPlan,
+        buffers: list[torch.Tensor] | None = None,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
         """``buffers``: two uint8 tensors of at least ``plan.max_bucket_bytes`` on the group's
         device to reuse (fresh pages cost a first-touch fault on every update); allocated when
-        first needed if None."""
+        first needed if None. ``on_start``: see the module doc."""
         if group.rank != 0:
             raise PipelineRLError("only rank 0 of the weight-update group sends")
         self._group = group
@@ -82,6 +92,7 @@ class WeightSender:
         self._sent = 0
         self._in_place_count = 0
         self._first_at: float | None = None
+        self._on_start = on_start
 
     @property
     def buffers(self) -> list[torch.Tensor] | None:
@@ -110,6 +121,7 @@ class WeightSender:
         i = self._position.get(name, -1)
         if i < self._next:
             raise SendOrderError(f"{name!r}: not a param of the plan still to send")
+        self._start()
         bucket, entry = self._order[i]
         filling = self._order[self._next][0]
         if bucket.index > filling.index + 1:
@@ -166,9 +178,16 @@ class WeightSender:
     def _open(self, bucket: Bucket) -> None:
         """Start filling ``bucket`` (once): wait for the broadcast that last used its buffer."""
         if self._opened != bucket.index:
+            self._start()
             self._opened = bucket.index
             self._drain(bucket.index % 2)  # at most two broadcasts in flight; the slot's buffer is free
             self._lent, self._in_place, self._packing = [], None, bucket.index in self._slotted
+
+    def _start(self) -> None:
+        """Call ``on_start`` (once)."""
+        on_start, self._on_start = self._on_start, None
+        if on_start is not None:
+            on_start()
 
     def _take(self, name: str, tensor: torch.Tensor) -> tuple[Bucket, BucketEntry]:
         """Check ``tensor`` is the param the plan expects next and advance; a new bucket waits

@@ -2,9 +2,8 @@
 
 ``pytest tests/reliability --reliability-backend NAME`` (default ``reference``; the option is
 declared in ``tests/conftest.py``) starts every server of the suite with backend NAME, from the
-table :data:`reliability_backends.ENGINES`. The tests are the same on every engine; a test that
-cannot hold on one skips there with the reason (:func:`reliability_backends.skip_on`), never a
-silent pass. The servers are shared between tests (:class:`reliability_backends.Servers`); a test
+table :data:`reliability_backends.ENGINES`. The tests are the same on every engine, and none
+skips on any. The servers are shared between tests (:class:`reliability_backends.Servers`); a test
 that has a shared server die under it fails (in its teardown, naming the exit code and the log's
 tail), and the next test that asks gets a fresh one.
 """

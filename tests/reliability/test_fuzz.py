@@ -34,7 +34,7 @@ the adapter; the server dying under a test fails that test (``conftest.py``).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import httpx
@@ -50,6 +50,8 @@ pytestmark = pytest.mark.integration
 EXAMPLES = 25
 #: Seconds a fuzzed request may take (the narrowed ones take well under 10 s): past it, a stall.
 ANSWER_S = 60.0
+#: Requests a failure report lists when the server went away.
+RECENT = 4
 #: Backends whose server serves only the contract's routes (the SDK's app); the others add
 #: routes of their engine's own (see the module doc).
 CONTRACT_ONLY = {"reference", "sglang"}
@@ -74,6 +76,14 @@ def narrowed(path: str, body: Any) -> Any:
     return body
 
 
+def shown(body: Any) -> str:
+    """A body for a failure message: its fields other than a chat's ``messages`` first (where
+    what makes a request slow is), then the messages, 3000 characters in all."""
+    if isinstance(body, dict) and "messages" in body:
+        body = {**{k: v for k, v in body.items() if k != "messages"}, "messages": body["messages"]}
+    return f"{body!r:.3000}"
+
+
 def error_shaped(r: httpx.Response) -> bool:
     """Whether ``r``'s body is the protocol's error: a JSON object with an ``error`` key."""
     try:
@@ -95,6 +105,8 @@ def test_no_route_answers_5xx_to_generated_requests(server: ServerProcess, backe
     server_errors: list[str] = []
     misshapen: list[str] = []  # an error whose body is not {"error": ...}
     stalled: list[str] = []  # no answer in ANSWER_S
+    recent: deque[str] = deque(maxlen=RECENT)  # the requests last sent, oldest first
+    died: list[str] = []  # the server went away: what was sent last (then nothing more is sent)
     served = operations(raw)
     ops = [(path, method) for path, method in served if path in ROUTES]
     assert {p for p, _ in ops} == set(ROUTES) - {"/openapi.json"}  # (the schema route is not in the schema)
@@ -112,13 +124,20 @@ def test_no_route_answers_5xx_to_generated_requests(server: ServerProcess, backe
                 suppress_health_check=list(HealthCheck),
             )
             def one(case: Any) -> None:
+                if died:
+                    return
                 kw = case.as_transport_kwargs(base_url=server.url)
                 body = {"json": narrowed(path, kw["json"])} if "json" in kw else {"content": kw.get("data")}
                 headers = {**kw["headers"], **auth}
+                recent.append(f"{method} {path} <- {shown(body.get('json', body.get('content')))}")
                 try:
                     r = http.request(kw["method"], kw["url"], params=kw["params"], headers=headers, **body)
                 except httpx.TimeoutException:  # collected, not raised (shrinking would repeat it for minutes)
-                    stalled.append(f"{method} {path}: no answer in {ANSWER_S:.0f} s <- {kw.get('json')!r:.600}")
+                    stalled.append(f"{method} {path}: no answer in {ANSWER_S:.0f} s <- {shown(body.get('json'))}")
+                    return
+                except httpx.TransportError as e:  # the server went away: name what was sent last
+                    died.append(f"{type(e).__name__}: {e}; the {len(recent)} requests sent last, oldest first:")
+                    died.extend(recent)
                     return
                 statuses[(path, r.status_code)] += 1
                 seen = f"{method} {path} {r.status_code}: {r.text[:300]} <- {kw.get('json')!r:.300}"
@@ -135,6 +154,7 @@ def test_no_route_answers_5xx_to_generated_requests(server: ServerProcess, backe
             check(path, method, GenerationMode.POSITIVE)
             if "requestBody" in raw["paths"][path][method.lower()]:  # else no input to make invalid
                 check(path, method, GenerationMode.NEGATIVE)
+        assert not died, "the server went away under the fuzzing\n" + "\n".join(died)
         assert http.get("/health").status_code == 200  # still serving
 
     tried = sum(statuses.values())

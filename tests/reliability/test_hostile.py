@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from reliability_backends import LIMITED, Servers, skip_on
+from reliability_backends import LIMITED, Servers
 from test_server_integration import run, train_step
 
 from pipelinerl_sdk.http.client import InferenceClient
@@ -311,14 +311,8 @@ def test_direct_update_pauses_only_once_bytes_flow(
     """A ``direct`` update whose trainer said ``go`` and then sends nothing holds no generation:
     a request of 400 tokens started after the ``go`` ends on the old weights before the first
     byte is sent. (vLLM held generation from the ``go`` until it had a ``first_bytes`` step: the
-    request waited the whole 60 s.)"""
-    skip_on(
-        backend,
-        {
-            "sglang": "SGLang receives in place, on its scheduler thread (direct mode only): generation must be "
-            "held from the trainer's go, so a direct update cannot wait for the bytes to pause"
-        },
-    )
+    request waited the whole 60 s; SGLang, which receives in place, held it from the ``go``: it
+    now holds it from the trainer's ``sending`` mark, posted as the first param is handed over.)"""
 
     async def body() -> float:
         async with InferenceClient(server.url, control_token=server.control_token) as client:

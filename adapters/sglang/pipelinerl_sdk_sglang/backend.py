@@ -62,6 +62,7 @@ from pipelinerl_sdk_sglang.engine import (
     SGLangClient,
     SGLangError,
     SGLangProcess,
+    SGLangRefused,
     free_port,
     launch_args,
     launch_env,
@@ -70,6 +71,12 @@ from pipelinerl_sdk_sglang.engine import (
 from pipelinerl_sdk_sglang.plugin import CARD
 
 log = logging.getLogger("pipelinerl_sdk_sglang")
+
+#: Seconds SGLang may take to exit on SIGTERM before it (and every process it started) is
+#: killed: its interpreter's teardown took 5 s and more here, past the server's shutdown bound
+#: (``kit.inference.serve.EXIT_MARGIN_S`` after the drain), which then ended the gateway with
+#: status 1. Nothing of SGLang's needs a graceful exit: the weights live in the trainer.
+STOP_S = 2.0
 
 #: Request fields SGLang's native sampling parameters have no counterpart for (a 400 naming them).
 UNSUPPORTED = {"logit_bias": "not served on SGLang (its native sampling parameters have no logit bias)"}
@@ -179,8 +186,8 @@ class SGLangInferenceBackend(KitBackend):
             self._watch = None
         if self._sgl is not None:
             await self._sgl.close()
-        if self._proc is not None:
-            await asyncio.to_thread(self._proc.stop)
+        if self._proc is not None:  # killed if slow: the server's whole shutdown is bounded
+            await asyncio.to_thread(self._proc.stop, STOP_S)
 
     # --- weight sync ------------------------------------------------------------------------------
 
@@ -300,7 +307,12 @@ class SGLangInferenceBackend(KitBackend):
         seen: dict[str, float] = {}  # SGLang's own phases (time.time()): its session open, each bucket loaded
 
         async def await_go() -> None:
+            """The trainer's go, then its sending mark: SGLang receives in place, so generation
+            is held from the moment this returns; a trainer stuck after its go holds nothing."""
+            deadline = time.monotonic() + req.timeout_s
             await self._await_go(wire.update_key(req.version), req.timeout_s)
+            seen["go"] = time.time()
+            await self._await_go(wire.sending_key(req.version), max(deadline - time.monotonic(), 1.0))
 
         async def receive() -> float:
             """Inside the pause: SGLang loads each bucket as it arrives (the apply is in here)."""
@@ -405,7 +417,7 @@ class SGLangInferenceBackend(KitBackend):
         kit's :func:`~pipelinerl_sdk.kit.inference.chat.refuse` of :data:`UNSUPPORTED` (a logit
         bias), ``stop_token_ids`` outside the vocabulary (as the reference refuses them), prompt
         logprob alternatives (SGLang's one ``top_logprobs_num`` is shared by the prompt and the
-        completion)."""
+        completion), a ``repetition_penalty`` past SGLang's 2."""
         refuse(req, UNSUPPORTED)
         bound = vocabulary_bound(self.tokenizer, self.vocab_size)
         bad = [t for t in req.stop_token_ids or () if not 0 <= t < bound]
@@ -417,6 +429,10 @@ class SGLangInferenceBackend(KitBackend):
             raise InvalidRequest(
                 "prompt_logprobs: alternatives (a count above 0) are not served on SGLang; use true or 0",
                 field="prompt_logprobs",
+            )
+        if req.repetition_penalty > 2:  # the protocol's (vLLM's) range is (0, 10]
+            raise InvalidRequest(
+                f"repetition_penalty: SGLang takes (0, 2], got {req.repetition_penalty:g}", field="repetition_penalty"
             )
 
     def _body(self, plan: ChatPlan, req: wire.SamplingRequest, i: int, *, stream: bool = False) -> dict[str, Any]:
@@ -476,7 +492,8 @@ class SGLangInferenceBackend(KitBackend):
     async def chat_completion(self, req: wire.ChatCompletionRequest) -> wire.ChatCompletionResponse:
         self._refuse(req)
         plan = await self.prepare(await plan_chat(self.tokenizer, req, self._context, structured=True))  # refused above
-        outs = await asyncio.gather(*(self.sglang.generate(self._body(plan, req, i)) for i in range(req.n)))
+        field = plan.structured.field if plan.structured is not None else None
+        outs = await self._generate_all([self._body(plan, req, i) for i in range(req.n)], field)
         return assemble_response(
             self.model_name,
             req,
@@ -489,15 +506,27 @@ class SGLangInferenceBackend(KitBackend):
             prompt_logprobs=self._prompt_entries(outs[0], plan) if req.prompt_top is not None else None,
         )
 
+    async def _generate_all(self, bodies: list[dict[str, Any]], field: str | None) -> list[dict[str, Any]]:
+        """SGLang's ``/generate`` of every body at once, in order. The first failure cancels the
+        others (their connections close, so SGLang aborts them: no orphan keeps decoding) and is
+        raised; SGLang refusing one (its 400) is InvalidRequest naming ``field`` where known."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [tasks.create_task(self.sglang.generate(b)) for b in bodies]
+        except BaseExceptionGroup as group:
+            first = group.exceptions[0]
+            if isinstance(first, SGLangRefused):
+                raise InvalidRequest(f"SGLang refused the request: {first}", field=field) from first
+            raise first from None
+        return [t.result() for t in running]
+
     async def completion(self, req: wire.CompletionRequest) -> wire.CompletionResponse:
         """``/v1/completions``: every prompt's ``n`` samples on SGLang at once, prompt logprobs
         from each prompt's first sample."""
         self._refuse(req)
         plans = await plan_completion(self.tokenizer, req, self._context, self.vocab_size)
         n = req.n
-        outs = await asyncio.gather(
-            *(self.sglang.generate(self._body(plan, req, i)) for plan in plans for i in range(n))
-        )
+        outs = await self._generate_all([self._body(plan, req, i) for plan in plans for i in range(n)], None)
         choices = [
             completion_choice(
                 self.tokenizer,
@@ -680,6 +709,7 @@ def sglang_constraint(so: StructuredOutput) -> dict[str, str]:
     try:
         if so.kind in ("json_object", "json_schema"):
             schema = '{"type": "object"}' if so.kind == "json_object" else (so.spec or "{}")
+            _sglang_checks_schema(schema)
             if so.any_whitespace:
                 xgr.Grammar.from_json_schema(schema)
                 return {"json_schema": schema}
@@ -693,6 +723,21 @@ def sglang_constraint(so: StructuredOutput) -> dict[str, str]:
         return {"ebnf": ebnf}
     except (RuntimeError, ValueError, TypeError) as e:
         raise InvalidRequest(f"{so.field}: does not compile to a grammar: {e}", field=so.field) from e
+
+
+def _sglang_checks_schema(schema: str) -> None:
+    """SGLang's own check of a JSON schema before it compiles one (keywords xgrammar would
+    ignore, such as ``not``: SGLang refuses them), where this SGLang has it; raises ValueError."""
+    import json
+
+    try:
+        from sglang.srt.constrained.json_schema_validation import validate_xgrammar_json_schema
+    except ImportError:  # an SGLang without the check compiles what xgrammar compiles
+        return
+    try:
+        validate_xgrammar_json_schema(json.loads(schema))
+    except Exception as e:  # SGLang's UnsupportedJSONSchemaFeature, or not JSON
+        raise ValueError(str(e)) from e
 
 
 __all__ = ["SGLangInferenceBackend"]

@@ -37,6 +37,11 @@ class SGLangError(PipelineRLError):
     """SGLang answered a control call with ``success: false`` or an HTTP error."""
 
 
+class SGLangRefused(SGLangError):
+    """SGLang answered ``/generate`` with 400: it refused the request as invalid (the gateway
+    answers 400 with SGLang's message, not a 500)."""
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -185,7 +190,8 @@ class SGLangClient:
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         r = await self.http.post("/generate", json=body)
         if r.status_code != 200:
-            raise SGLangError(f"SGLang /generate answered {r.status_code}: {r.text[:500]}")
+            kind = SGLangRefused if r.status_code == 400 else SGLangError
+            raise kind(f"SGLang /generate answered {r.status_code}: {r.text[:500]}")
         out: dict[str, Any] = r.json()
         return out
 
@@ -195,7 +201,8 @@ class SGLangClient:
         iterator closes the connection (the caller aborts the request: :meth:`abort`)."""
         async with self.http.stream("POST", "/generate", json=body) as r:
             if r.status_code != 200:
-                raise SGLangError(f"SGLang /generate answered {r.status_code}: {(await r.aread())[:500]!r}")
+                kind = SGLangRefused if r.status_code == 400 else SGLangError
+                raise kind(f"SGLang /generate answered {r.status_code}: {(await r.aread())[:500]!r}")
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue

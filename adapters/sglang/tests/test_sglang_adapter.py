@@ -370,7 +370,9 @@ def test_sampling_values_sglang_cannot_hold_never_reach_its_scheduler(sglang_ser
     """A ``top_k`` past 2^31 killed SGLang's scheduler (an int32 tensor of the batch's top_k;
     found by tests/reliability's fuzzing): past the vocabulary it is off, as asked (every token
     kept); a seed past int64 is taken modulo 2^63; ``stop_token_ids`` outside the vocabulary are
-    refused naming the field, as on the reference. The server serves on."""
+    refused naming the field, as on the reference; what SGLang itself refuses (a repetition
+    penalty past 2, a schema keyword xgrammar would ignore) is a 400 naming the field. The
+    server serves on."""
     import httpx
 
     def chat(**extra: Any) -> httpx.Response:
@@ -382,6 +384,11 @@ def test_sampling_values_sglang_cannot_hold_never_reach_its_scheduler(sglang_ser
     assert chat(top_k=2**40, temperature=1.0, seed=2**70).status_code == 200
     refused = chat(stop_token_ids=[5, -1])
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop_token_ids", refused.text
+    # SGLang's /generate refused these with its 400, which the gateway answered 500 (fuzzing)
+    refused = chat(repetition_penalty=4.5, n=2)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty", refused.text
+    refused = chat(structured_outputs={"json": {"not": {"type": "string"}}})  # SGLang: "not" would be ignored
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "structured_outputs", refused.text
     assert chat().json()["choices"][0]["message"] == plain
 
 
@@ -389,9 +396,10 @@ def test_sampling_values_sglang_cannot_hold_never_reach_its_scheduler(sglang_ser
 def test_generation_waits_for_a_direct_receive(
     sglang_server: ServerProcess, tiny_model: Path, record_property: Callable[[str, object], None]
 ) -> None:
-    """The trainer holds the broadcast open for ``hold`` seconds after ``go``: SGLang is paused
-    (in place) for the receive, so no chat finishes meanwhile; the chats sent during the receive
-    complete right after it, on the new version."""
+    """The trainer hands over its first param (its ``sending`` mark is posted), then holds the
+    broadcast open for ``hold`` seconds: SGLang is paused (in place) for the receive, so no chat
+    finishes meanwhile; the chats sent during the receive complete right after it, on the new
+    version."""
     from pipelinerl_sdk.conformance.mirror import Mirror
 
     mirror = Mirror(tiny_model, "float32")
@@ -405,7 +413,8 @@ def test_generation_waits_for_a_direct_receive(
             mirror.perturb(seed=info.version + 100)
             done_during: list[int] = []
             async with pub.update(info.version + 1, info.params) as sink:
-                await asyncio.sleep(0.5)  # go was posted: the server pauses and enters the receive
+                await asyncio.to_thread(mirror.send_all, sink, info.params, stop_after=1)
+                await asyncio.sleep(0.5)  # bytes flow next: the server pauses and enters the receive
                 t_end = time.monotonic() + hold
                 chats = [
                     asyncio.create_task(client.chat({"messages": PROMPT, "max_tokens": 4, "ignore_eos": True}))
@@ -413,7 +422,7 @@ def test_generation_waits_for_a_direct_receive(
                 ]
                 await asyncio.sleep(hold)
                 done_during = [i for i, c in enumerate(chats) if c.done()]
-                await asyncio.to_thread(mirror.send_all, sink, info.params)
+                await asyncio.to_thread(mirror.send_all, sink, info.params, start=1)
             results = await asyncio.wait_for(asyncio.gather(*chats), 60)
             assert time.monotonic() >= t_end
             assert pub.last is not None
@@ -424,6 +433,43 @@ def test_generation_waits_for_a_direct_receive(
             assert event.timings["pause_s"] >= hold * 0.8
             for r in results:
                 assert set(r.choices[0].weight_versions) == {info.version + 1}
+            await pub.close()
+
+    run(body)
+
+
+@requires_sglang
+def test_a_trainer_that_fails_before_its_first_byte_ends_the_update_at_once(
+    sglang_server: ServerProcess, tiny_model: Path
+) -> None:
+    """The trainer said ``go``, then its gather fails before it hands over a param: SGLang never
+    held generation nor entered the collective, so the publisher's ``abort`` on its sending mark
+    ends the server's update at once (not after the update's 60 s timeout), naming the cause, the
+    old weights serving; the trainer reconnects and its next update is applied."""
+    mirror = Mirror(tiny_model, "float32")
+    url, token = sglang_server.url, sglang_server.control_token
+
+    async def body() -> None:
+        async with InferenceClient(url, control_token=token) as client:
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=60)
+            await pub.connect()
+            info = await client.info()
+            before = await _scored(client)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="gather failed"):
+                async with pub.update(info.version + 1, info.params):
+                    raise RuntimeError("gather failed")
+            took = time.monotonic() - t0  # the publisher waited for the server's final answer
+            print(f"\nan update whose trainer failed before its first byte ended in {took:.2f} s")
+            assert took < 10, took
+            assert (await client.info()).version == info.version
+            after = await _scored(client)
+            assert after.prompt_token_logprobs() == before.prompt_token_logprobs()  # the old weights, untouched
+            assert set(after.choices[0].weight_versions) == {info.version}
+            await pub.connect()  # the sender's failure broke the trainer's side of the group
+            mirror.perturb(seed=info.version + 300)
+            await mirror.publish(pub, info.version + 1, info.params)
+            assert (await client.info()).version == info.version + 1
             await pub.close()
 
     run(body)
