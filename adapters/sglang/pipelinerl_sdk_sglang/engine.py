@@ -95,8 +95,14 @@ def launch_args(
 
 def launch_env(device: str) -> dict[str, str]:
     """Environment for SGLang: raw model logprobs (before temperature, as the contract reports
-    them), and SGLang's own switch for its CPU engine on ``device == "cpu"``."""
-    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    them); non-finite logits made finite before sampling (SGLang's ``SGLANG_SANITIZE_NAN_LOGITS``,
+    unless the operator set it: without it one request's NaN probabilities raise in the batched
+    sampler, which ends SGLang's scheduler and so every request, seen once in fuzzing); and
+    SGLang's own switch for its CPU engine on ``device == "cpu"``."""
+    env = {
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+        "SGLANG_SANITIZE_NAN_LOGITS": os.environ.get("SGLANG_SANITIZE_NAN_LOGITS", "1"),
+    }
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     return env
