@@ -225,8 +225,8 @@ class WeightPublisher:
             raise FanOutError(
                 [_as_server_error(r, c) for r, c in zip(accepted, calls, strict=True) if isinstance(r, BaseException)]
             )
+        stamps["decision_posted"] = time.time()  # taken first: a server may read the go before a later stamp
         group.post_decision(key, go=True)
-        stamps["decision_posted"] = time.time()
         started = sending_key(version)
 
         def on_start() -> None:

@@ -45,7 +45,8 @@ ENGINES: dict[str, Engine] = {
         # vLLM fails a regex that takes over 5 s to compile (its ReDoS guard); the slow-grammar
         # check's takes it 3-5 s on 2 busy cores: room to compile, or the check would measure the
         # limit. 20 s, not more: a fuzzed regex that compiles for ever must still get its 400 well
-        # within the fuzz's 60 s (one run had a chat request stall there with this at 60 s)
+        # within the fuzz's 60 s (one run had a chat request stall past 60 s with this at 60 s; its
+        # cause was not seen)
         {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_REGEX_COMPILATION_TIMEOUT_S": "20"},
         ("vllm", "pipelinerl_sdk_vllm"),
     ),
