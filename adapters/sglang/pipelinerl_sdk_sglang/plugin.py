@@ -38,6 +38,8 @@ CARD = EngineCard(
         "tp": "tensor-parallel size (default 1)",
         "max_total_tokens": "KV pool size in tokens on CPU (default 8192)",
         "mem_fraction_static": "SGLang's static memory fraction (CPU default 0.05)",
+        "sleep_on_idle": "1: SGLang's scheduler sleeps while idle instead of polling a core at 100% "
+        "(default 1 on cpu, 0 on cuda)",
         "atomic": "1 (default): snapshot the weights before a multi-bucket update, restore on failure",
         "startup_timeout_s": "seconds SGLang may take to start (default 600)",
         "log_level": "SGLang's log level (default warning)",
