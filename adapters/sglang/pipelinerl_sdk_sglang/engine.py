@@ -85,13 +85,13 @@ def launch_args(
         # SGLang's CPU engine sizes its KV pool from these; the defaults assume a large host.
         args += ["--max-total-tokens", options.get("max_total_tokens", "8192")]
         args += ["--mem-fraction-static", options.get("mem_fraction_static", "0.05")]
+    elif "mem_fraction_static" in options:
+        args += ["--mem-fraction-static", options["mem_fraction_static"]]
     if options.get("sleep_on_idle", "1" if device == "cpu" else "0") == "1":
         # An idle scheduler polls its sockets without pause: one core at 100% (on a CPU host, a
         # core taken from decoding, the gateway and the trainer). Asleep it wakes on the next
         # message on those sockets, which every request and every hook call of the gateway is.
         args += ["--sleep-on-idle"]
-    elif "mem_fraction_static" in options:
-        args += ["--mem-fraction-static", options["mem_fraction_static"]]
     if "tp" in options:
         args += ["--tp-size", options["tp"]]
     args += options.get("sglang_args", "").split()

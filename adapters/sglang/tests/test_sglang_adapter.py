@@ -209,8 +209,11 @@ def test_launch_args_parse_in_sglang_for_any_api_key() -> None:
         assert parsed.sleep_on_idle  # on cpu by default
     cases = (("cpu", {"sleep_on_idle": "0"}, False), ("cuda", {}, False), ("cuda", {"sleep_on_idle": "1"}, True))
     for device, options, asleep in cases:
+        options = {**options, "mem_fraction_static": "0.3"}
         args = launch_args("m", dtype="float32", port=1, api_key="k", device=device, context_length=64, options=options)
-        assert parser.parse_args(args).sleep_on_idle is asleep, (device, options)
+        parsed = parser.parse_args(args)
+        assert parsed.sleep_on_idle is asleep and args.count("--mem-fraction-static") == 1, (device, args)
+        assert parsed.mem_fraction_static == 0.3, (device, args)
 
 
 @pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here: this checks the message when it is missing")
