@@ -453,6 +453,51 @@ def test_first_non_finite_names_the_param_and_survives_overflowing_sums() -> Non
 # --- 12. a stopped server ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_a_trainer_that_fails_half_way_ends_the_servers_update_at_once(
+    server: Any, trainer: ReferenceTrainer, mode: str
+) -> None:
+    """The trainer's body raises after sending half the params, with the update's timeout at
+    30 s: the publisher closes the group, so the server's receive ends at once ("Connection
+    closed by peer") and the publisher reports both sides within seconds (before: the server
+    waited out its 30 s timeout, generation paused all along in direct mode, and the
+    publisher with it). The server serves the old version and weights, its group broken."""
+    assert trainer.model is not None
+    params = [(n, p.detach().clone()) for n, p in trainer.model.named_parameters()]
+
+    def half(sink: Any) -> None:
+        for name, t in params[: len(params) // 2]:
+            sink.send(name, t)
+        raise RuntimeError("the trainer failed half-way")
+
+    async def body() -> float:
+        async with InferenceClient(server.url, control_token=server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=4 << 10, timeout_s=30, mode=mode)  # type: ignore[arg-type]
+            await pub.connect()
+            info = await client.info()
+            before = await client.chat(CHAT)
+            t0 = time.perf_counter()
+            with pytest.raises(RuntimeError, match="half-way"):
+                async with pub.update(info.version + 1, trainer.param_specs()) as sink:
+                    await asyncio.to_thread(half, sink)
+            took = time.perf_counter() - t0
+            after_info = await client.info()
+            assert after_info.version == info.version and not after_info.updating, after_info
+            assert after_info.group is not None and after_info.group.broken
+            after = await client.chat(CHAT)
+            assert after.choices[0].token_ids == before.choices[0].token_ids
+            assert set(after.choices[0].weight_versions) == {info.version}
+            await pub.connect()  # a new group: the next update lands
+            await publish(pub, trainer, info.version + 1)
+            assert (await client.info()).version == info.version + 1
+            await pub.close()
+            return took
+
+    took = run(body)
+    print(f"\n{mode}: the publisher reported the failed update after {took:.2f} s (timeout 30 s)")
+    assert took < 10, f"the failed update took {took:.1f} s to end (its timeout: 30 s)"
+
+
 def test_publisher_reports_a_stopped_server_within_the_update_timeout(
     tiny_model: Path, trainer: ReferenceTrainer
 ) -> None:

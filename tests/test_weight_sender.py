@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelinerl_sdk.contracts import lend
+from pipelinerl_sdk.errors import GroupError
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import free_port
@@ -253,3 +254,39 @@ def test_flatten_params_keeps_values_objects_and_training(pair: tuple[WeightSync
     assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in m.parameters())
     with pytest.raises(ValueError, match="at least one"):
         flatten_params([])
+
+
+def test_closing_a_member_ends_a_peers_receive_at_once() -> None:
+    """gloo's ``shutdown`` leaves its connections open: a peer blocked in a receive from a
+    closed member waited out the group's timeout (30 s here). ``WeightSyncGroup.close`` drops
+    the backend as well, so the peer's receive fails at once, naming the closed connection."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    joined: Future[WeightSyncGroup] = Future()
+    t = threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=30))))
+    t.start()
+    trainer = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=30))
+    server = joined.result(timeout=30)
+    outcome: Future[str] = Future()
+
+    def receive() -> None:
+        try:
+            server.broadcast(torch.zeros(4))  # the group works
+            server.broadcast(torch.zeros(1 << 16))
+            outcome.set_result("received")
+        except GroupError as e:
+            outcome.set_result(str(e))
+
+    rx = threading.Thread(target=receive, daemon=True)
+    rx.start()
+    trainer.broadcast(torch.ones(4))
+    time.sleep(0.3)  # the server is blocked in its receive
+    t0 = time.perf_counter()
+    trainer.close()
+    message = outcome.result(timeout=60)
+    took = time.perf_counter() - t0
+    server.close()
+    print(f"\nthe peer's receive ended {took:.2f} s after the close (group timeout 30 s): {message[:80]}")
+    assert "Connection closed" in message or "Connection reset" in message, message
+    assert took < 10, f"the peer's receive ended {took:.1f} s after the close"
+    with pytest.raises(GroupError, match="closed"):
+        trainer.broadcast(torch.ones(4))

@@ -335,7 +335,9 @@ class WeightSyncGroup:
         return self._decisions.cancel_wait(reason)
 
     def close(self) -> None:
-        """Release the group. Safe to call twice."""
+        """Release the group: its connections to the other members are closed, so a member
+        still blocked in a collective with this one fails at once ("Connection closed by peer")
+        instead of at its own timeout. Safe to call twice."""
         self.mark_broken("closed")
         pg = getattr(self, "_pg", None)
         if pg is not None:
@@ -343,3 +345,7 @@ class WeightSyncGroup:
                 pg.shutdown()
             except Exception:
                 pass
+            # gloo's shutdown leaves its pairs' sockets open (a peer blocked in a receive from
+            # this member waited out its timeout: 15 s of 15 in a test); they close when the
+            # backend is destroyed, which dropping the only reference to it does.
+            self._pg = None

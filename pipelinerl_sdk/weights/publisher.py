@@ -12,7 +12,9 @@ One update, end to end::
    posts its ``sending`` mark (:func:`~pipelinerl_sdk.protocol.sending_key`: an engine that
    receives in place holds generation only from then on), or ``abort`` on it if the body fails
    before; on exit the publisher waits for the last broadcast and for every server's ``done``;
-   any failure raises, naming the server.
+   any failure raises, naming the server. If the body raises after the mark, the publisher
+   closes the group: the servers' receives end at once and they keep their old weights (the
+   next update needs :meth:`WeightPublisher.connect`).
 
 Every wait on a server is bounded by ``timeout_s``: a server that stopped answering (SIGSTOP, a
 hung process) is reported as such, naming it, within the update's timeout.
@@ -239,13 +241,16 @@ class WeightPublisher:
             stats = await asyncio.to_thread(sender.finish)
             self._buffers = sender.buffers or self._buffers
         except BaseException as e:
-            # The receivers are mid-broadcast: they fail on their timeout (or at once if the
-            # group notices); those still waiting for the sending mark end at once. Their old
-            # weights keep serving; report both sides.
+            # Receivers still waiting for the sending mark end at once; those mid-broadcast end
+            # once the group's connections close, which closing the group does here (a thread:
+            # gloo may first finish a broadcast in flight). Their old weights keep serving;
+            # report both sides.
             if "sending_posted" not in stamps:
                 with contextlib.suppress(Exception):  # a lost store: the receivers' timeout ends them
                     group.post_decision(started, go=False, reason=f"the trainer failed before sending: {e}")
             group.mark_broken(f"sender failed: {e}")
+            sender.abandon()
+            await asyncio.to_thread(group.close)
             finals = await self._bounded(calls, "final")
             server_errors = [
                 _as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)

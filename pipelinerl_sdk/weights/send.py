@@ -248,6 +248,13 @@ class WeightSender:
         out = torch.empty(0, dtype=torch.uint8, device=self._group.device)
         return out.set_(storage, start, (bucket.nbytes,), (1,))
 
+    def abandon(self) -> None:
+        """After a failure: forget the broadcasts in flight without waiting for them. A
+        collective's handle keeps its group's connections open; once dropped, closing the group
+        closes them (its members' receives then end at once). The sender is unusable after."""
+        self._pending = [None, None]
+        self._lent.clear()
+
     def _drain(self, slot: int) -> None:
         work = self._pending[slot]
         if work is not None:
