@@ -346,6 +346,6 @@ class WeightSyncGroup:
             except Exception:
                 pass
             # gloo's shutdown leaves its pairs' sockets open (a peer blocked in a receive from
-            # this member waited out its timeout: 15 s of 15 in a test); they close when the
+            # this member waited out its timeout: 29.7 s of 30 in a test); they close when the
             # backend is destroyed, which dropping the only reference to it does.
             self._pg = None
