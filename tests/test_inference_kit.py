@@ -16,10 +16,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_weight_sender import two_members
 
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import GroupError, InvalidRequest, PromptTooLong, UpdateAborted
@@ -61,12 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def pair() -> Iterator[tuple[WeightSyncGroup, WeightReceiver]]:
     """A fresh two-member group: the trainer (rank 0, here) and a receiver (rank 1)."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    joined: Future[WeightSyncGroup] = Future()
-    t = threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=30))))
-    t.start()
-    trainer = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=30))
-    member = joined.result(timeout=30)
+    trainer, member = two_members()
     yield trainer, WeightReceiver(member)
     member.close()
     trainer.close()

@@ -28,14 +28,20 @@ from pipelinerl_sdk.weights.tensors import flatten_params, spec_of
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[WeightSyncGroup, WeightReceiver]]:
+def two_members(timeout_s: float = 30) -> tuple[WeightSyncGroup, WeightSyncGroup]:
+    """A fresh gloo group of two members in this process: (rank 0, rank 1; rank 1 joined from a
+    thread)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     joined: Future[WeightSyncGroup] = Future()
-    t = threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=30))))
-    t.start()
-    sender = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=30))
-    receiver = joined.result(timeout=30)
+    config = GroupConfig(init, 1, 2, timeout_s=timeout_s)
+    threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(config))).start()
+    first = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=timeout_s))
+    return first, joined.result(timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[WeightSyncGroup, WeightReceiver]]:
+    sender, receiver = two_members()
     yield sender, WeightReceiver(receiver)
     receiver.close()
     sender.close()
@@ -260,12 +266,7 @@ def test_closing_a_member_ends_a_peers_receive_at_once() -> None:
     """gloo's ``shutdown`` leaves its connections open: a peer blocked in a receive from a
     closed member waited out the group's timeout (30 s here). ``WeightSyncGroup.close`` drops
     the backend as well, so the peer's receive fails at once, naming the closed connection."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    joined: Future[WeightSyncGroup] = Future()
-    t = threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=30))))
-    t.start()
-    trainer = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=30))
-    server = joined.result(timeout=30)
+    trainer, server = two_members()
     outcome: Future[str] = Future()
 
     def receive() -> None:

@@ -741,7 +741,7 @@ def test_an_idle_sglang_server_leaves_the_cpu_alone(sglang_server: ServerProcess
     slower, 1.4 s per response instead of 0.05 s). A request afterwards is answered at once."""
     import psutil
 
-    procs = [psutil.Process(sglang_server.pid), *psutil.Process(sglang_server.pid).children(recursive=True)]
+    procs = [psutil.Process(pid) for pid in (sglang_server.pid, *_descendants(sglang_server.pid))]
 
     def cpu() -> float:
         total = 0.0
