@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.openapi import from_dict
 
@@ -69,11 +70,31 @@ def narrowed(path: str, body: Any) -> Any:
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(key), int):
                 body[key] = min(body[key], 8)
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = 8
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 8  # absent or null: else the budget is the context's end
     if path == "/init_process_group" and isinstance(body.get("init_method"), str):
         body["init_method"], body["timeout_s"] = "tcp://127.0.0.1:1", 1.0
     return body
+
+
+budgets = st.one_of(st.none(), st.integers(-(2**70), 2**70))
+
+
+@given(
+    mt=st.one_of(st.just("absent"), budgets),
+    mct=st.one_of(st.just("absent"), budgets),
+    n=st.one_of(st.just("absent"), st.none(), st.integers(-5, 10**6)),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+)
+def test_the_narrowing_bounds_every_generation(mt: Any, mct: Any, n: Any, path: str) -> None:
+    """Whatever the budget fields hold (absent, null, any integer), a narrowed request asks for at
+    most 8 tokens per sample and 2 samples: a null ``max_tokens`` escaped the cap once."""
+    fields = {"max_tokens": mt, "max_completion_tokens": mct, "n": n}
+    body = narrowed(path, {"prompt": "x", **{k: v for k, v in fields.items() if v != "absent"}})
+    budget = body.get("max_completion_tokens")
+    budget = body.get("max_tokens") if budget is None else budget
+    assert budget is not None and budget <= 8
+    assert body.get("n") is None or body["n"] <= 2
 
 
 def shown(body: Any) -> str:

@@ -103,6 +103,7 @@ class SGLangInferenceBackend(KitBackend):
         self.workers = self._tp = int(self.opts.get("tp", "1"))
         self._atomic = self.opts.get("atomic", "1") == "1"
         self._device = self.opts.get("device", "")
+        launch_env("cpu", self.opts)  # a bad cpu_threads is refused here, before anything starts
         self._proc: SGLangProcess | None = None
         self._sgl: SGLangClient | None = None
         #: The group's name inside SGLang and the store (``weights.auth.store_name``).
@@ -143,7 +144,7 @@ class SGLangInferenceBackend(KitBackend):
             context_length=self._context,
             options=self.opts,
         )
-        env = launch_env(device)
+        env = launch_env(device, self.opts)
         t0 = time.perf_counter()
         if "sglang_url" in self.opts:  # attached: someone else runs (and stops) SGLang
             self._sgl = SGLangClient(self.opts["sglang_url"], self.opts.get("sglang_api_key", ""))

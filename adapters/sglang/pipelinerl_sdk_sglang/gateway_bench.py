@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = launch_args(
         args.model, dtype=args.dtype, port=port, api_key=key, device=device, context_length=2048, options=opts
     )
-    sgl = SGLangProcess(cmd, port=port, env=launch_env(device))
+    sgl = SGLangProcess(cmd, port=port, env=launch_env(device, opts))
     sgl.start()
     try:
         client = SGLangClient(sgl.url, key)

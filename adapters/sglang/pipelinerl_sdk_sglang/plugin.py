@@ -40,6 +40,8 @@ CARD = EngineCard(
         "mem_fraction_static": "SGLang's static memory fraction (CPU default 0.05)",
         "sleep_on_idle": "1: SGLang's scheduler sleeps while idle instead of polling a core at 100% "
         "(default 1 on cpu, 0 on cuda)",
+        "cpu_threads": "SGLang's torch threads on cpu (default: OMP_NUM_THREADS if set, else half the "
+        "cores, at least 1: more than the cores left free wait on each other)",
         "atomic": "1 (default): snapshot the weights before a multi-bucket update, restore on failure",
         "startup_timeout_s": "seconds SGLang may take to start (default 600)",
         "log_level": "SGLang's log level (default warning)",

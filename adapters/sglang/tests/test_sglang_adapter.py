@@ -216,6 +216,25 @@ def test_launch_args_parse_in_sglang_for_any_api_key() -> None:
         assert parsed.mem_fraction_static == 0.3, (device, args)
 
 
+@pytest.mark.skipif(not HAVE_ADAPTER, reason="the SGLang adapter is not installed here")
+def test_sglangs_cpu_threads_come_from_the_option_the_operator_or_half_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipelinerl_sdk_sglang.engine import default_cpu_threads, launch_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_cpu_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert launch_env("cpu")["OMP_NUM_THREADS"] == str(default_cpu_threads())
+    assert launch_env("cpu", {"cpu_threads": "3"})["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in launch_env("cuda")  # a GPU host's threads are left alone
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert launch_env("cpu")["OMP_NUM_THREADS"] == "5"
+    assert launch_env("cpu", {"cpu_threads": "2"})["OMP_NUM_THREADS"] == "2"
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(ValueError, match="cpu_threads"):
+            launch_env("cpu", {"cpu_threads": bad})
+
+
 @pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here: this checks the message when it is missing")
 def test_missing_sglang_exits_with_a_message(tmp_path: Path) -> None:
     """The adapter on the path without SGLang: a clear error, exit 2, no hang."""
@@ -761,6 +780,40 @@ def test_an_idle_sglang_server_leaves_the_cpu_alone(sglang_server: ServerProcess
     t0 = time.monotonic()
     run(lambda: _chat_once(sglang_server))
     print(f"a request after the idle wait: {time.monotonic() - t0:.2f} s")
+
+
+@requires_sglang
+def test_sglang_decodes_on_the_threads_it_was_given(sglang_server: ServerProcess) -> None:
+    """While a 600-token answer decodes, as many of SGLang's scheduler threads work as it was
+    given (``cpu_threads``, default half the cores): torch threads past the free cores wait for
+    each other at every parallel region. With SGLang's own default (all cores) both of this
+    machine's cores' threads worked; beside one busy process the same answer then took 7.3 s
+    instead of 2.8 s (idle: 2.4 and 1.6 s)."""
+    import psutil
+    from pipelinerl_sdk_sglang.engine import launch_env
+
+    given = int(launch_env("cpu", {})["OMP_NUM_THREADS"])
+    procs = [psutil.Process(pid) for pid in _descendants(sglang_server.pid)]
+    scheduler = next(p for p in procs if p.cmdline()[:1] == ["sglang::scheduler"])  # SGLang's process title
+    environ = Path(f"/proc/{scheduler.pid}/environ").read_bytes().split(b"\0")  # (psutil's reads none here)
+    assert f"OMP_NUM_THREADS={given}".encode() in environ
+
+    def times() -> dict[int, float]:
+        return {t.id: t.user_time + t.system_time for t in scheduler.threads()}
+
+    async def long_answer() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            resp = await client.chat({"messages": PROMPT, "max_tokens": 600, "ignore_eos": True})
+            assert resp.usage.completion_tokens == 600
+
+    before = times()
+    t0 = time.monotonic()
+    run(long_answer)
+    wall = time.monotonic() - t0
+    used = {tid: t - before.get(tid, 0.0) for tid, t in times().items()}
+    working = sorted((u for u in used.values() if u > 0.25 * wall), reverse=True)
+    print(f"\n600 tokens in {wall:.2f} s; scheduler threads' CPU: {[round(u, 2) for u in working]} (given {given})")
+    assert 1 <= len(working) <= given, f"{len(working)} threads worked (CPU s: {working}), given {given}"
 
 
 async def _chat_once(server: ServerProcess) -> None:
