@@ -123,10 +123,10 @@ class TestSGLangInferenceContract(InferenceContractTests):
 @requires_sglang
 class TestSGLangStatefulContract(StatefulContractTests):
     """The suite's Hypothesis state machine (generations, updates, bad requests, interrupted
-    updates in any order), on the same SGLang server. It was an xfail (3 of 4 runs beside other
-    work found an update still in progress after an interrupted one) until the group's close
-    ended a peer's receive at once and SGLang stopped oversubscribing the cores: 4 of 4 runs
-    beside a busy core passed."""
+    updates in any order), on the same SGLang server. It was an xfail: 3 of 4 runs beside other
+    work once found an update still in progress after an interrupted one. Since the group's close
+    ends a peer's receive at once and SGLang runs on half the cores' threads, 4 of 4 runs beside
+    a busy core and one idle passed (which of the two changes fixed it was not isolated)."""
 
 
 # --- the plugin ---------------------------------------------------------------------------------
