@@ -63,6 +63,7 @@ from pipelinerl_sdk_sglang.engine import (
     SGLangError,
     SGLangProcess,
     SGLangRefused,
+    cpu_threads,
     free_port,
     launch_args,
     launch_env,
@@ -103,7 +104,7 @@ class SGLangInferenceBackend(KitBackend):
         self.workers = self._tp = int(self.opts.get("tp", "1"))
         self._atomic = self.opts.get("atomic", "1") == "1"
         self._device = self.opts.get("device", "")
-        launch_env("cpu", self.opts)  # a bad cpu_threads is refused here, before anything starts
+        cpu_threads(self.opts)  # a bad cpu_threads is refused here, before anything starts
         self._proc: SGLangProcess | None = None
         self._sgl: SGLangClient | None = None
         #: The group's name inside SGLang and the store (``weights.auth.store_name``).

@@ -113,8 +113,7 @@ def launch_env(device: str, options: Mapping[str, str] | None = None) -> dict[st
     unless the operator set it: without it one request's NaN probabilities raise in the batched
     sampler, which ends SGLang's scheduler and so every request, seen once in fuzzing); and on
     ``device == "cpu"`` SGLang's own switch for its CPU engine and its torch threads
-    (``OMP_NUM_THREADS``): option ``cpu_threads``, else the operator's ``OMP_NUM_THREADS``,
-    else :func:`default_cpu_threads`."""
+    (``OMP_NUM_THREADS``, :func:`cpu_threads`)."""
     options = options or {}
     env = {
         "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
@@ -122,11 +121,18 @@ def launch_env(device: str, options: Mapping[str, str] | None = None) -> dict[st
     }
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        threads = options.get("cpu_threads")
-        if threads is not None and (not threads.isdigit() or int(threads) < 1):
-            raise ValueError(f"cpu_threads: a positive number of threads, got {threads!r}")
-        env["OMP_NUM_THREADS"] = threads or os.environ.get("OMP_NUM_THREADS") or str(default_cpu_threads())
+        env["OMP_NUM_THREADS"] = cpu_threads(options)
     return env
+
+
+def cpu_threads(options: Mapping[str, str]) -> str:
+    """SGLang's torch threads on cpu: option ``cpu_threads`` (a positive integer, else
+    ValueError naming it), else the operator's ``OMP_NUM_THREADS``, else
+    :func:`default_cpu_threads`."""
+    threads = options.get("cpu_threads")
+    if threads is not None and (not threads.isdigit() or int(threads) < 1):
+        raise ValueError(f"cpu_threads: a positive number of threads, got {threads!r}")
+    return threads or os.environ.get("OMP_NUM_THREADS") or str(default_cpu_threads())
 
 
 class SGLangProcess:

@@ -781,9 +781,9 @@ def test_sglang_decodes_on_the_threads_it_was_given(sglang_server: ServerProcess
     machine's cores' threads worked; beside one busy process the same answer then took 7.3 s
     instead of 2.8 s (idle: 2.4 and 1.6 s)."""
     import psutil
-    from pipelinerl_sdk_sglang.engine import launch_env
+    from pipelinerl_sdk_sglang.engine import cpu_threads
 
-    given = int(launch_env("cpu", {})["OMP_NUM_THREADS"])
+    given = int(cpu_threads({}))
     procs = [psutil.Process(pid) for pid in _descendants(sglang_server.pid)]
     scheduler = next(p for p in procs if p.cmdline()[:1] == ["sglang::scheduler"])  # SGLang's process title
     environ = Path(f"/proc/{scheduler.pid}/environ").read_bytes().split(b"\0")  # (psutil's reads none here)
