@@ -11,6 +11,12 @@
 - Group: SGLang's ``init_weights_update_group`` (gloo on CPU, NCCL on GPU) joins the SDK's group
   (the SDK's group uses torch's standard store layout, see ``weights.group.torch_group_store``);
   the gateway itself only reads the trainer's decisions from the group's store.
+- Update (``staged``, the default): ``accepted`` -> the trainer's ``go`` and ``sending`` mark ->
+  each TP rank's staged receiver (:mod:`.staged_receiver`, a thread in SGLang's scheduler
+  process) receives the update on SGLang's group while SGLang generates ->
+  ``pause_generation(in_place)`` -> ``begin_weight_update`` -> the ``apply_staged`` hook
+  (``model.load_weights``, with ``weight_version``) -> ``end_weight_update`` ->
+  ``continue_generation``.
 - Update (``direct``): ``accepted`` -> wait for the trainer's ``go`` (here, never inside SGLang)
   -> ``pause_generation(in_place)`` -> ``begin_weight_update`` -> snapshot (multi-bucket plans)
   -> one ``update_weights_from_distributed(load_format="flattened_bucket")`` per bucket, the last
@@ -24,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -114,6 +121,10 @@ class SGLangInferenceBackend(KitBackend):
         self._aborts: set[asyncio.Future[None]] = set()
         #: Watches the SGLang child (:meth:`_watch_engine`); set once it is up, ended by stop().
         self._watch: asyncio.Task[None] | None = None
+        #: The private directory (mode 0700) of the staged receivers' sockets, and their stem
+        #: (each TP rank's socket is ``STEM.RANK``): set by start().
+        self._staged_dir: str | None = None
+        self._staged_stem = ""
 
     @property
     def max_model_len(self) -> int | None:
@@ -160,6 +171,7 @@ class SGLangInferenceBackend(KitBackend):
             await self._sgl.generate(
                 {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
             )
+            await self._serve_staged()
         except BaseException:
             await self.stop()
             raise
@@ -182,7 +194,33 @@ class SGLangInferenceBackend(KitBackend):
                 logging.shutdown()
                 os._exit(1)
 
+    async def _serve_staged(self) -> None:
+        """Start each TP rank's staged receiver in SGLang's scheduler
+        (:func:`~pipelinerl_sdk_sglang.scheduler_hooks.serve_staged`), its socket in a private
+        directory: what the ``staged`` receive mode talks to."""
+        import tempfile
+
+        self._staged_dir = tempfile.mkdtemp(prefix="pipelinerl-sglang-staged-")  # mode 0700
+        self._staged_stem = os.path.join(self._staged_dir, "receiver")
+        await self._in_session("serve_staged", self._staged_stem)
+
+    async def _in_session(self, hook: str, *args: object) -> list[dict[str, Any]]:
+        """A scheduler hook with generation held and a weight-update session open for it (the
+        state a hook runs in); each TP rank's result."""
+        sgl = self.sglang
+        async with self._paused():
+            await sgl.control("/begin_weight_update", {})
+            try:
+                return await sgl.call_hook(hook, *args, tp_size=self._tp)
+            finally:
+                await sgl.control("/end_weight_update", {})
+
     async def stop(self) -> None:
+        if self._staged_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._staged_dir, ignore_errors=True)
+            self._staged_dir = None
         if self._watch is not None:  # SGLang is stopped on purpose from here
             self._watch.cancel()
             self._watch = None
@@ -202,13 +240,7 @@ class SGLangInferenceBackend(KitBackend):
         so that its next group formation at ``req.init_method`` signs and verifies every
         rendezvous value under the group's secret (a hook runs inside a weight-update session,
         generation held for the moment it takes)."""
-        sgl = self.sglang
-        async with self._paused():
-            await sgl.control("/begin_weight_update", {})
-            try:
-                await sgl.call_hook("sign_rendezvous", req.init_method, req.group_secret, tp_size=self._tp)
-            finally:
-                await sgl.control("/end_weight_update", {})
+        await self._in_session("sign_rendezvous", req.init_method, req.group_secret)
 
     async def init_process_group(self, req: wire.InitProcessGroupRequest) -> wire.InitProcessGroupResponse:
         from pipelinerl_sdk.protocol import parse_init_method
@@ -299,7 +331,24 @@ class SGLangInferenceBackend(KitBackend):
         finally:
             await self.sglang.control("/continue_generation", {})
 
+    def _await_go_and_sending(
+        self, req: wire.WeightUpdateRequest, seen: dict[str, float]
+    ) -> Callable[[], Awaitable[None]]:
+        """The step that waits for the trainer's go, then its sending mark: whatever receives
+        enters the broadcast only once the trainer is sending (a trainer stuck after its go
+        holds nothing; one whose gather failed before its first param ends the update here)."""
+
+        async def await_go() -> None:
+            deadline = time.monotonic() + req.timeout_s
+            await self._await_go(wire.update_key(req.version), req.timeout_s)
+            seen["go"] = time.time()
+            await self._await_go(wire.sending_key(req.version), max(deadline - time.monotonic(), 1.0))
+
+        return await_go
+
     def update_steps(self, req: wire.WeightUpdateRequest, mode: wire.ReceiveMode) -> UpdateSteps:
+        if mode == "staged":
+            return self._staged_steps(req)
         from pipelinerl_sdk.weights.buckets import BucketPlan
 
         self.require_group()
@@ -307,14 +356,8 @@ class SGLangInferenceBackend(KitBackend):
         plan = BucketPlan.build(req.params, req.bucket_bytes)
         state = {"session": False, "snapshot": False, "loaded": False}
         seen: dict[str, float] = {}  # SGLang's own phases (time.time()): its session open, each bucket loaded
-
-        async def await_go() -> None:
-            """The trainer's go, then its sending mark: SGLang receives in place, so generation
-            is held from the moment this returns; a trainer stuck after its go holds nothing."""
-            deadline = time.monotonic() + req.timeout_s
-            await self._await_go(wire.update_key(req.version), req.timeout_s)
-            seen["go"] = time.time()
-            await self._await_go(wire.sending_key(req.version), max(deadline - time.monotonic(), 1.0))
+        # SGLang receives in place, so generation is held from the moment this returns
+        await_go = self._await_go_and_sending(req, seen)
 
         async def receive() -> float:
             """Inside the pause: SGLang loads each bucket as it arrives (the apply is in here)."""
@@ -358,6 +401,100 @@ class SGLangInferenceBackend(KitBackend):
             await self._roll_back(state["snapshot"], state["loaded"], state["session"])
 
         return UpdateSteps(await_go, receive, apply, self._paused, abandon=abandon, stamps=lambda: seen)
+
+    def _staged_steps(self, req: wire.WeightUpdateRequest) -> UpdateSteps:
+        """``staged``: after the trainer's go and sending mark, each TP rank's staged receiver
+        (:mod:`.staged_receiver`, a thread in SGLang's scheduler process) receives the whole
+        update into its staging buffer while SGLang keeps generating; inside the pause one
+        session applies it (:func:`~pipelinerl_sdk_sglang.scheduler_hooks.apply_staged`: SGLang's
+        ``model.load_weights``) and SGLang records the new version with the same call. Nothing
+        is written to the model before that apply, so any failure before it leaves the old
+        weights serving untouched, with no snapshot."""
+        self.require_group()
+        sgl = self.sglang
+        seen: dict[str, float] = {}  # SGLang's side (time.time()): first and last bucket staged, its load
+        state = {"session": False}
+        command = {
+            "group": self._engine_group,
+            "params": [p.model_dump(mode="json") for p in req.params],
+            "bucket_bytes": req.bucket_bytes,
+            "timeout_s": req.timeout_s,
+        }
+
+        async def receive() -> float:
+            seconds = await asyncio.gather(
+                *(self._receive_staged(path, command, seen) for path in self._staged_paths())
+            )
+            return max(seconds)
+
+        async def apply() -> None:
+            await sgl.control("/begin_weight_update", {})
+            state["session"] = True
+            try:
+                results = await sgl.call_hook(
+                    "apply_staged", self._staged_stem, tp_size=self._tp, weight_version=str(req.version)
+                )
+            except SGLangError as e:
+                # SGLang recorded the version with the call: the old one goes back, generation
+                # stays paused until then (no token is tagged with a version it was not made by)
+                await sgl.control(
+                    "/update_weight_version", {"new_version": str(self.version), "abort_all_requests": False}
+                )
+                raise PluginError(f"SGLang's load of the staged update failed (the weights may be mixed): {e}") from e
+            seen["engine_apply_start"] = min(float(r["start"]) for r in results)  # SGLang's load_weights
+            seen["engine_apply_end"] = max(float(r["end"]) for r in results)
+            await sgl.control("/end_weight_update", {})
+            state["session"] = False
+
+        async def abandon() -> None:
+            if state["session"]:
+                try:
+                    await sgl.control("/end_weight_update", {})
+                except SGLangError as e:
+                    raise PluginError(f"staged update failed and closing SGLang's session failed too: {e}") from e
+
+        return UpdateSteps(
+            self._await_go_and_sending(req, seen), receive, apply, self._paused, abandon=abandon, stamps=lambda: seen
+        )
+
+    def _staged_paths(self) -> list[str]:
+        return [f"{self._staged_stem}.{rank}" for rank in range(self._tp)]
+
+    async def _receive_staged(self, path: str, command: dict[str, Any], seen: dict[str, float]) -> float:
+        """One TP rank's staged receive (the protocol in :mod:`.staged_receiver`); its receive
+        seconds. GroupError where the broadcast failed (the group is then broken),
+        NonFiniteWeights for a NaN or an infinity, UpdateFailed otherwise."""
+        from pipelinerl_sdk.weights.receive import NonFiniteWeights
+
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
+        except OSError as e:
+            raise UpdateFailed(f"SGLang's staged receiver at {path} is not reachable: {e}") from e
+        try:
+            writer.write(json.dumps(command).encode() + b"\n")
+            await writer.drain()
+            while True:
+                try:
+                    line = await asyncio.wait_for(reader.readline(), float(command["timeout_s"]) + 30)
+                except TimeoutError as e:
+                    raise GroupError(f"SGLang's staged receiver at {path} said nothing for the update's timeout") from e
+                if not line:
+                    raise GroupError(f"SGLang's staged receiver at {path} closed before the update arrived")
+                event = json.loads(line)
+                if event["event"] == "first_bucket":
+                    seen.setdefault("first_bucket", float(event["t"]))
+                elif event["event"] == "received":
+                    seen["last_bucket_staged"] = max(seen.get("last_bucket_staged", 0.0), float(event["t"]))
+                    return float(event["seconds"])
+                else:
+                    message = f"SGLang's staged receive: {event.get('message')}"
+                    if event.get("kind") == "group":
+                        raise GroupError(message)
+                    if event.get("kind") == "non_finite":
+                        raise NonFiniteWeights(message)
+                    raise UpdateFailed(message)
+        finally:
+            writer.close()
 
     async def _roll_back(self, snapshot: bool, loaded: bool, session: bool) -> None:
         """After a failed update: put the old weights back (if any bucket was loaded) and close

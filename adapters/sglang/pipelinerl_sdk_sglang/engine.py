@@ -264,11 +264,15 @@ class SGLangClient:
             raise SGLangError(f"SGLang {route} failed ({r.status_code}): {message or r.text[:500]}")
         return message
 
-    async def call_hook(self, hook: str, *args: object, tp_size: int = 1) -> list[dict[str, Any]]:
+    async def call_hook(
+        self, hook: str, *args: object, tp_size: int = 1, weight_version: str | None = None
+    ) -> list[dict[str, Any]]:
         """Run a :mod:`.scheduler_hooks` function inside SGLang's scheduler (through
         ``update_weights_from_tensor``; needs an open weight-update session) with ``args``;
         returns each TP rank's result. SGLangError if SGLang refused the call, a rank reported
-        an error, or a rank wrote no result."""
+        an error, or a rank wrote no result. ``weight_version``: SGLang records it as the
+        served version once the call returns (its own ``weight_version`` of the call), whatever
+        the hook reported: a caller whose hook failed puts the old one back."""
         from sglang.srt.utils import MultiprocessingSerializer
 
         with tempfile.TemporaryDirectory(prefix="pipelinerl-sglang-hook-") as tmp:
@@ -279,6 +283,8 @@ class SGLangClient:
                 "load_format": scheduler_hooks.qualified(hook),
                 "flush_cache": False,
             }
+            if weight_version is not None:
+                body["weight_version"] = weight_version
             await self.control("/update_weights_from_tensor", body)
             results = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob(f"{hook}.*"))]
         errors = [str(r["error"]) for r in results if "error" in r]

@@ -12,9 +12,11 @@ from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 
 #: What the adapter really does on SGLang 0.5.23 (checked by the conformance suite):
-#: - ``direct`` receive only: SGLang receives each bucket on its scheduler thread, so generation
-#:   is paused (``pause_generation(mode="in_place")``) for the whole receive; there is no way to
-#:   receive while SGLang keeps generating;
+#: - ``staged`` (the default) and ``direct`` receive: ``staged`` receives on a thread of
+#:   SGLang's scheduler process (:mod:`.staged_receiver`) while SGLang keeps generating and
+#:   pauses (``pause_generation(mode="in_place")``) only for SGLang's ``load_weights`` of the
+#:   staged tensors; ``direct`` is SGLang's own ``update_weights_from_distributed`` per bucket,
+#:   paused for the whole receive (no staging buffer: a model's size less memory);
 #: - gloo (CPU) and NCCL (GPU) groups, formed by SGLang's own ``init_weights_update_group``;
 #: - per-token versions are SGLang's own ``weight_versions`` spans;
 #: - prompt and top logprobs come from SGLang (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: raw logprobs);
@@ -23,7 +25,7 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #:   ``ebnf``);
 #: - no ``logit_bias``: SGLang's native sampling parameters have none (a 400 naming it).
 CAPABILITIES = replace(
-    full_capabilities("direct"), logit_bias=False, streaming=True, completions=True, structured_outputs=True
+    full_capabilities("staged", "direct"), logit_bias=False, streaming=True, completions=True, structured_outputs=True
 )
 
 CARD = EngineCard(
@@ -31,7 +33,8 @@ CARD = EngineCard(
     "pipelinerl_sdk_sglang.backend:SGLangInferenceBackend",
     CAPABILITIES,
     "SGLang 0.5.23 server behind the SDK's routes (gateway process); updates via SGLang's "
-    "init_weights_update_group / update_weights_from_distributed (flattened buckets), pause in_place",
+    "init_weights_update_group; staged: a receive thread in SGLang's scheduler, load_weights in the pause; "
+    "direct: update_weights_from_distributed (flattened buckets); pause in_place",
     options={
         "context_length": "context length, prompt + completion (default 2048)",
         "device": "cuda or cpu (default: cuda when torch sees a GPU)",

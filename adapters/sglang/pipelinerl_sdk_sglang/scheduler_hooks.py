@@ -16,6 +16,10 @@ paused by the adapter. The adapter uses that door for what SGLang's distributed 
   scheduler (the SDK's ``/bench/apply_floor``): what one update's session does to the model
   (``restore_weights_before_loading``, ``model.load_weights`` of every param under its HF name,
   ``postprocess_weights``), the served weights copied aside before and back after.
+- :func:`serve_staged` / :func:`apply_staged`: the ``staged`` receive mode. The first starts a
+  :class:`~pipelinerl_sdk_sglang.staged_receiver.StagedReceiver` (a thread of this process that
+  receives an update on SGLang's group while the scheduler keeps generating); the second loads
+  what it received with ``model.load_weights``, in the update's session, generation paused.
 - :func:`sign_rendezvous`: the next ``tcp://host:port`` rendezvous of this process (SGLang's
   ``init_weights_update_group``) goes through the SDK's
   :class:`~pipelinerl_sdk.weights.signed_store.SignedStore` under the group's secret, so that
@@ -60,7 +64,10 @@ _ARMED: dict[tuple[str, int], str] = {}
 #: older group was destroyed before a new one formed).
 _SIGNED: list[Any] = []
 
-HOOKS = ("snapshot", "restore", "discard", "probe", "sign_rendezvous", "apply_floor")
+#: This scheduler's staged receivers (:mod:`.staged_receiver`), by socket path: one, in practice.
+_STAGED: dict[str, Any] = {}
+
+HOOKS = ("snapshot", "restore", "discard", "probe", "sign_rendezvous", "apply_floor", "serve_staged", "apply_staged")
 
 
 def qualified(hook: str) -> str:
@@ -176,6 +183,38 @@ def apply_floor(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
         for n, p in model.named_parameters():
             p.copy_(served[n])
     return {"seconds": seconds}
+
+
+@_hook
+def serve_staged(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
+    """Start this scheduler's staged receiver on the UNIX socket ``PATH.RANK`` (once per path: a
+    second call finds it running). Args: the socket path's stem. Result: the ``path`` bound."""
+    from pipelinerl_sdk_sglang.staged_receiver import StagedReceiver
+
+    (stem,) = args
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    path = f"{stem}.{rank}"
+    if path not in _STAGED:
+        _STAGED[path] = StagedReceiver(path, next(model.parameters()).device)
+    return {"path": path}
+
+
+@_hook
+def apply_staged(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
+    """Load the last staged receive into ``model`` (``model.load_weights`` of every param under
+    its HF name: SGLang's own loader, which fuses QKV and gate/up as at start-up), inside the
+    update's session. Args: the socket path's stem. Result: ``start`` and ``end`` of the load
+    (``time.time()``). An error if nothing was received since the last apply (the model is then
+    untouched)."""
+    (stem,) = args
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    receiver = _STAGED.get(f"{stem}.{rank}")
+    if receiver is None:
+        raise RuntimeError("no staged receiver in this scheduler: serve_staged was not called")
+    tensors = receiver.take()
+    start = time.time()
+    model.load_weights(iter(tensors))  # type: ignore[operator]
+    return {"start": start, "end": time.time()}
 
 
 def _address(url: str) -> tuple[str, int]:

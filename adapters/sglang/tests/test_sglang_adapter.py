@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from pipelinerl_sdk.conformance.common import check_against_mirror, greedy
 from pipelinerl_sdk.conformance.inference import InferenceContractTests
 from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.conformance.stateful import StatefulContractTests
@@ -138,7 +139,7 @@ def test_backend_is_registered_and_its_import_is_light() -> None:
 
     entry = load_registry().get("inference", "sglang")
     assert entry.factory == "pipelinerl_sdk_sglang.backend:SGLangInferenceBackend"
-    assert entry.capabilities.receive_modes == frozenset({"direct"})
+    assert entry.capabilities.receive_modes == frozenset({"staged", "direct"})
     code = "import sys, pipelinerl_sdk_sglang.plugin; print(sorted({'sglang', 'torch'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", f"importing the plugin imported {out.stdout.strip()}"
@@ -273,32 +274,37 @@ async def _publish(pub: WeightPublisher, trainer: ReferenceTrainer, version: int
 
 
 @requires_sglang
-@pytest.mark.parametrize("bucket_bytes", [1 << 20, 16 << 10])
+@pytest.mark.parametrize(("bucket_bytes", "mode"), [(1 << 20, "staged"), (16 << 10, "staged"), (16 << 10, "direct")])
 def test_reference_trainer_updates_sglang_and_logprobs_agree(
-    sglang_server: ServerProcess, tiny_model: Path, bucket_bytes: int, record_property: Callable[[str, object], None]
+    sglang_server: ServerProcess,
+    tiny_model: Path,
+    bucket_bytes: int,
+    mode: str,
+    record_property: Callable[[str, object], None],
 ) -> None:
-    """The reference trainer takes a real optimizer step and publishes it (one bucket, then many);
-    SGLang's prompt and completion logprobs then equal the trainer's for the same tokens (fp32:
-    1e-4), and differ from the logprobs before the step."""
+    """The reference trainer takes a real optimizer step and publishes it (one bucket, then many;
+    received staged, then direct); SGLang's prompt and completion logprobs then equal the
+    trainer's for the same tokens (fp32: 1e-4), and differ from the logprobs before the step."""
     trainer = ReferenceTrainer()
     trainer.init(TrainerSpec(model=str(tiny_model), lr=3e-3, grad_clip=None))
 
     async def body() -> None:
         async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
-            pub = WeightPublisher([client], bucket_bytes=bucket_bytes)
+            pub = WeightPublisher([client], bucket_bytes=bucket_bytes, mode=mode)  # type: ignore[arg-type]
             await pub.connect()
             info = await client.info()
+            assert info.default_mode == "staged"
             assert [p.name for p in info.params] == [p.name for p in trainer.param_specs()]
-            _step(trainer, seed=bucket_bytes)
+            _step(trainer, seed=bucket_bytes + (mode == "direct"))  # weights no earlier case published
             version = info.version + 1
             before = await _scored(client)
             await _publish(pub, trainer, version)
             assert pub.last is not None
             event = next(iter(pub.last.events.values()))
-            assert event.mode == "direct" and event.version == version
+            assert event.mode == mode and event.version == version
             for k, v in event.timings.items():
                 record_property(k, v)
-            print(f"\nbucket_bytes={bucket_bytes}: {event.timings}")
+            print(f"\nbucket_bytes={bucket_bytes}, {mode}: {event.timings}")
             resp = await _scored(client)
             choice = resp.choices[0]
             assert set(choice.weight_versions) == {version}
@@ -426,7 +432,7 @@ def test_generation_waits_for_a_direct_receive(
 
     async def body() -> None:
         async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
-            pub = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=60)
+            pub = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=60, mode="direct")
             await pub.connect()
             info = await client.info()
             mirror.perturb(seed=info.version + 100)
@@ -452,6 +458,96 @@ def test_generation_waits_for_a_direct_receive(
             assert event.timings["pause_s"] >= hold * 0.8
             for r in results:
                 assert set(r.choices[0].weight_versions) == {info.version + 1}
+            await pub.close()
+
+    run(body)
+
+
+@requires_sglang
+def test_generation_goes_on_during_a_staged_receive(
+    sglang_server: ServerProcess, tiny_model: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """The twin of the direct check above: the trainer hands over its first param, then holds the
+    broadcast open for ``hold`` seconds. Received staged (in a thread of SGLang's scheduler
+    process), SGLang keeps generating meanwhile: the chats sent during the receive finish during
+    it, every token on the old version, and the pause is a small fraction of the receive (SGLang's
+    ``load_weights`` of the staged tensors). Afterwards SGLang serves exactly the new weights."""
+    mirror = Mirror(tiny_model, "float32")
+    hold = 3.0
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=16 << 10, timeout_s=60, mode="staged")
+            await pub.connect()
+            info = await client.info()
+            mirror.perturb(seed=info.version + 400)
+            async with pub.update(info.version + 1, info.params) as sink:
+                await asyncio.to_thread(mirror.send_all, sink, info.params, stop_after=1)
+                await asyncio.sleep(0.5)  # the first buckets are staged: SGLang is receiving
+                chats = [
+                    asyncio.create_task(client.chat({"messages": PROMPT, "max_tokens": 4, "ignore_eos": True}))
+                    for _ in range(3)
+                ]
+                during = await asyncio.wait_for(asyncio.gather(*chats), hold)  # raises if generation waits
+                await asyncio.to_thread(mirror.send_all, sink, info.params, start=1)
+            assert pub.last is not None
+            event = next(iter(pub.last.events.values()))
+            record_property("pause_s", event.timings["pause_s"])
+            print(f"\n{len(during)} chats finished during a staged receive; {event.timings}")
+            for r in during:
+                assert set(r.choices[0].weight_versions) == {info.version}
+            assert event.mode == "staged"
+            assert event.timings["pause_s"] < 0.25 * event.timings["receive_s"], event.timings
+            after = await greedy(client, prompt_logprobs=True)
+            assert set(after.choices[0].weight_versions) == {info.version + 1}
+            check_against_mirror(after, mirror, prompt=True)
+            await pub.close()
+
+    run(body)
+
+
+@requires_sglang
+def test_a_staged_update_holding_a_nan_is_refused_and_the_old_weights_serve(
+    sglang_server: ServerProcess, tiny_model: Path
+) -> None:
+    """A NaN in one param of a many-bucket staged update: SGLang's staged receiver finds it
+    before anything is loaded, the update fails naming the param, SGLang serves the old weights
+    and version bit for bit, the group stays healthy and the next update of the same trainer
+    lands (the staging buffer is reused)."""
+    from pipelinerl_sdk.errors import FanOutError
+    from pipelinerl_sdk.weights.tensors import TORCH_DTYPES
+
+    mirror = Mirror(tiny_model, "float32")
+
+    async def body() -> None:
+        async with InferenceClient(sglang_server.url, control_token=sglang_server.control_token) as client:
+            pub = WeightPublisher([client], bucket_bytes=16 << 10, timeout_s=60, mode="staged")
+            await pub.connect()
+            info = await client.info()
+            target = info.params[len(info.params) // 2].name
+            before = await _scored(client)
+            local = dict(mirror.model.named_parameters())
+
+            def poisoned(sink: Any) -> None:
+                for spec in info.params:
+                    t = local[spec.name].detach().to(TORCH_DTYPES[spec.dtype]).clone()
+                    if spec.name == target:
+                        t.view(-1)[t.numel() // 2] = float("nan")
+                    sink.send(spec.name, t)
+
+            with pytest.raises(FanOutError) as err:
+                async with pub.update(info.version + 1, info.params) as sink:
+                    await asyncio.to_thread(poisoned, sink)
+            assert repr(target) in str(err.value) and "NaN or infinity" in str(err.value), err.value
+            after_info = await client.info()
+            assert after_info.version == info.version and after_info.group is not None
+            assert not after_info.group.broken
+            after = await _scored(client)
+            assert after.prompt_token_logprobs() == before.prompt_token_logprobs()  # untouched
+            assert set(after.choices[0].weight_versions) == {info.version}
+            mirror.perturb(seed=info.version + 500)
+            await mirror.publish(pub, info.version + 1, info.params)
+            check_against_mirror(await greedy(client, prompt_logprobs=True), mirror, prompt=True)
             await pub.close()
 
     run(body)
