@@ -64,6 +64,8 @@ _ARMED: dict[tuple[str, int], str] = {}
 #: older group was destroyed before a new one formed).
 _SIGNED: list[Any] = []
 
+#: The probe's receive buffer on CPU, kept across probes of the same size.
+_PROBE: dict[str, torch.Tensor] = {}
 #: This scheduler's staged receivers (:mod:`.staged_receiver`), by socket path: one, in practice.
 _STAGED: dict[str, Any] = {}
 
@@ -143,7 +145,13 @@ def probe(model: torch.nn.Module, args: list[str]) -> dict[str, Any]:
     if group_name not in groups:
         raise RuntimeError(f"no weight-update group {group_name!r} in this SGLang process")
     device = next(model.parameters()).device
-    buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+    buf = _PROBE.get("buffer")
+    if buf is None or buf.numel() != int(nbytes) or buf.device != device:
+        _PROBE.clear()  # the old one freed first
+        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+        if device.type == "cpu":  # kept in host memory: a fresh buffer's first-touch page faults
+            _PROBE["buffer"] = buf  # would inflate the baseline (a staged receive reuses its
+            # buffer; on an accelerator torch's caching allocator hands back the same block)
     t0 = time.perf_counter()
     torch.distributed.broadcast(buf, src=0, group=groups[group_name])
     return {"seconds": time.perf_counter() - t0}
