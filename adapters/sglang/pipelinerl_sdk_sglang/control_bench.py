@@ -49,8 +49,8 @@ async def _measure(model: str, dtype: str, repeats: int, concurrency: int) -> di
     sgl = backend.sglang
 
     async def pause_continue() -> None:
-        await sgl.control("/pause_generation", {"mode": "in_place"})
-        await sgl.control("/continue_generation", {})
+        async with backend._paused():  # the pause every update takes
+            pass
 
     async def session() -> None:
         await sgl.control("/begin_weight_update", {})
@@ -58,30 +58,24 @@ async def _measure(model: str, dtype: str, repeats: int, concurrency: int) -> di
 
     async def session_with_hook() -> None:
         await sgl.control("/begin_weight_update", {})
-        await sgl.call_hook("discard")
+        await sgl.call_hook("discard", tp_size=backend._tp)
         await sgl.control("/end_weight_update", {})
 
     async def version() -> None:
         await sgl.control("/update_weight_version", {"new_version": str(backend.version), "abort_all_requests": False})
 
     async def cycle() -> None:
-        await sgl.control("/pause_generation", {"mode": "in_place"})
-        try:
-            await session_with_hook()
-        finally:
-            await sgl.control("/continue_generation", {})
+        await backend._in_session("discard")  # pause, begin, hook, end, continue: a staged apply's calls
 
-    async def generate(stop: asyncio.Event) -> int:
-        tokens = 0
+    async def generate(stop: asyncio.Event) -> None:
         body = {
             "input_ids": [1, 2, 3, 4],
             "stream": True,
             "sampling_params": {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True},
         }
         while not stop.is_set():
-            async for out in sgl.generate_stream(dict(body)):
-                tokens = max(tokens, int(out["meta_info"].get("completion_tokens", 0)))
-        return tokens
+            async for _ in sgl.generate_stream(dict(body)):
+                pass
 
     result: dict[str, Any] = {}
     try:
