@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,80 @@ def test_a_trainer_without_world_size_2_reaches_loop_not_full(tmp_path: Path) ->
     ), out[-4000:]
     assert "inference:reference: level 'none'" in out and "a partner only" in out, out[-4000:]
     assert "--conformance-level=full: NOT reached by trainer:ws1-only" in out, out[-4000:]
+
+
+# --- every standard check is judged, the mixins' included --------------------------------------------
+
+
+def _collected(*classes: type) -> set[str]:
+    """What pytest collects from ``classes``: every ``test_`` attribute, inherited ones included."""
+    return {n for cls in classes for n in dir(cls) if n.startswith("test_")}
+
+
+def test_the_levels_judge_every_check_pytest_collects_inherited_ones_included() -> None:
+    """The sampling, generation, structured-output, version-tag and serving checks are mixins of
+    ``InferenceContractTests``: the levels must count them (they once read only the class's own
+    ``__dict__``, 14 of 28 inference checks)."""
+    from pipelinerl_sdk.conformance.cross import CrossCheckTests
+    from pipelinerl_sdk.conformance.inference import InferenceContractTests
+    from pipelinerl_sdk.conformance.plugin import _standard_checks
+    from pipelinerl_sdk.conformance.stateful import StatefulContractTests
+    from pipelinerl_sdk.conformance.trainer import TrainerContractTests
+
+    inference = _standard_checks("inference")
+    assert set(inference) == _collected(InferenceContractTests, StatefulContractTests, CrossCheckTests)
+    assert len(inference) == len(set(inference))
+    for inherited in ("test_every_version_tag_is_true", "test_samples_follow_the_model_distribution",
+                      "test_structured_output_follows_its_constraint", "test_control_routes_need_the_control_token",
+                      "test_streamed_deltas_add_up_to_the_non_streamed_text"):  # fmt: skip
+        assert inherited in inference
+    assert set(_standard_checks("trainer")) == _collected(TrainerContractTests, CrossCheckTests)
+
+
+@pytest.mark.parametrize("outcome", ["skip", "fail", "xfail"])
+def test_an_inherited_check_not_passed_keeps_a_backend_from_full(outcome: str) -> None:
+    """Every other inference check passed; one inherited from a mixin was skipped (for a
+    requirement the loop does not need), failed, or overridden as an xfail: not ``full``."""
+    from pipelinerl_sdk.conformance.plugin import _standard_checks
+
+    r = BackendReport("inference:x", _standard_checks("inference"))
+    for check in r.expected:
+        r.result(check).passed += 1
+    inherited = r.result("test_every_version_tag_is_true")
+    inherited.passed = 0
+    if outcome == "skip":
+        inherited.skipped.append(("does not declare streaming", REQUIREMENTS["streaming"]))
+    else:
+        inherited.failed.append("xfail: tags lie" if outcome == "xfail" else "call: boom")
+    assert not r.reached("full"), r.lines()
+    assert r.level() == ("loop" if outcome == "skip" else "none")
+
+
+@pytest.mark.integration
+def test_an_xfail_override_of_an_inherited_check_is_counted_a_failure_in_the_summary(tmp_path: Path) -> None:
+    """A third party's test class overrides an inherited check (from the version-tag mixin) as an
+    explicit xfail taking no fixtures: the summary lists that check as failed for the backend (not
+    ``verified``, not left out), lists every standard check of the kind, and the level is none
+    (nothing else ran)."""
+    from pipelinerl_sdk.conformance.plugin import _standard_checks
+
+    (tmp_path / "test_third_party.py").write_text(
+        "import pytest\n"
+        "from pipelinerl_sdk.conformance.inference import InferenceContractTests\n\n\n"
+        "class TestInference(InferenceContractTests):\n"
+        "    @pytest.mark.xfail(reason='our tags lie', strict=True)\n"
+        "    def test_every_version_tag_is_true(self, *args, **kwargs):\n"
+        "        raise AssertionError('a version tag lies')\n"
+    )
+    cmd = [
+        sys.executable, "-m", "pytest", str(tmp_path / "test_third_party.py"), "-p", "no:cacheprovider", "-q",
+        "--backend=inference:reference", "-k", "test_every_version_tag_is_true", "--conformance-level=loop",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-4000:] + proc.stderr[-2000:]
+    assert "failed    test_every_version_tag_is_true: xfail: our tags lie" in out, out[-4000:]
+    summary = out[out.index("inference:reference: level") :]
+    listed = re.findall(r"^  [a-z ]{9} (test_\w+)", summary, flags=re.M)
+    assert set(_standard_checks("inference")) <= set(listed), summary
+    assert "inference:reference: level 'none'" in out, out[-4000:]
