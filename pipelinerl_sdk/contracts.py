@@ -62,6 +62,11 @@ class InferenceCapabilities:
     logit_bias: bool = False
     #: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` with vLLM's rules.
     penalties: bool = False
+    #: ``top_k`` and ``min_p`` cut the distribution as vLLM does: after the temperature.
+    sampling_filters: bool = False
+    #: A request's ``seed`` fixes its samples: the same seeded request gives the same tokens on
+    #: this server (whatever runs beside it), and two seeds give different ones.
+    seeds: bool = False
     #: ``stream=true`` chat (server-sent events, :meth:`InferenceBackend.chat_completion_stream`).
     streaming: bool = False
     #: ``/v1/completions`` with the contract's extensions (:meth:`InferenceBackend.completion`).

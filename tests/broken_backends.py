@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pipelinerl_sdk.conformance.stats import sampling_distribution
 from pipelinerl_sdk.contracts import (
     InferenceCapabilities,
     ServeConfig,
@@ -62,6 +63,9 @@ LOGPROB_SHIFT = -0.05
 
 #: Receive modes of ``broken-half-applies`` (it has no staging, so it cannot honour ``staged``).
 DIRECT_ONLY = dataclasses.replace(INFERENCE, receive_modes=frozenset({"direct"}))
+
+#: Capabilities of ``correct-no-seeds``: the reference's, without per-request seeds.
+NO_SEEDS = dataclasses.replace(INFERENCE, seeds=False)
 
 
 def _rebuild_engine(
@@ -298,6 +302,84 @@ class IgnoresTemperature(ReferenceInferenceBackend):
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
         self.engine = _rebuild_engine(self.engine, _NoTemperatureEngine, version=0)
+
+
+class _CutsBeforeTemperatureEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.temperature == 0 or (params.top_p >= 1.0 and params.top_k <= 0 and params.min_p <= 0):
+            return super()._sample(logits, params, generator)
+        # the bug: top-p, top-k and min-p cut the untempered distribution; the temperature comes after
+        kept = sampling_distribution(logits, 1.0, params.top_p, top_k=params.top_k, min_p=params.min_p) > 0
+        plain = dataclasses.replace(params, top_p=1.0, top_k=0, min_p=0.0)
+        return super()._sample(logits.masked_fill(~kept, float("-inf")), plain, generator)
+
+
+class CutsBeforeTemperature(ReferenceInferenceBackend):
+    """Applies top-p, top-k and min-p to softmax(logits) and the temperature afterwards (the wrong
+    order; the two agree at temperature 1 only): at temperature 0.5 the untempered nucleus is
+    wider than the tempered one.
+
+    Caught by ``test_samples_follow_the_model_distribution[top_p-0.7-temperature-0.5]``: "sampled
+    tokens lie outside the top_p=0.7 nucleus (temperature 0.5"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _CutsBeforeTemperatureEngine, version=0)
+
+
+class _NoTopKEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        return super()._sample(logits, dataclasses.replace(params, top_k=0), generator)  # the bug
+
+
+class IgnoresTopK(ReferenceInferenceBackend):
+    """Takes ``top_k`` and samples from the whole vocabulary (an adapter that forgets to map it).
+
+    Caught by ``test_samples_follow_the_model_distribution[top_k-5-temperature-2]``: "sampled
+    tokens lie outside the top_k=5 set"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _NoTopKEngine, version=0)
+
+
+class _NoMinPEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        return super()._sample(logits, dataclasses.replace(params, min_p=0.0), generator)  # the bug
+
+
+class IgnoresMinP(ReferenceInferenceBackend):
+    """Takes ``min_p`` and samples from the whole vocabulary.
+
+    Caught by ``test_samples_follow_the_model_distribution[min_p-0.1-temperature-2]``: "sampled
+    tokens lie outside the min_p=0.1 set"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _NoMinPEngine, version=0)
+
+
+class _UnseededEngine(ContinuousBatchingEngine):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        return super()._sample(logits, params, None)  # the bug: the request's own generator is dropped
+
+
+class IgnoresSeed(ReferenceInferenceBackend):
+    """Accepts ``seed`` and declares ``seeds``, but samples every request from the engine's one
+    generator, so a seeded request does not replay.
+
+    Caught by ``test_a_seed_fixes_the_samples``: "seed 11 sent again gave other samples"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _UnseededEngine, version=0)
+
+
+class NoSeeds(IgnoresSeed):
+    """Not broken: the same engine, declaring no ``seeds`` (as SGLang on CPU): the streaming check
+    compares greedy streams and the seed check is skipped for the capability."""
+
+    capabilities = NO_SEEDS
 
 
 class CopiedGroupSamples(ReferenceInferenceBackend):
@@ -682,6 +764,10 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-top-p": ("IgnoresTopP", INFERENCE),
     "broken-ignores-temperature": ("IgnoresTemperature", INFERENCE),
     "broken-copied-group-samples": ("CopiedGroupSamples", INFERENCE),
+    "broken-cuts-before-temperature": ("CutsBeforeTemperature", INFERENCE),
+    "broken-ignores-top-k": ("IgnoresTopK", INFERENCE),
+    "broken-ignores-min-p": ("IgnoresMinP", INFERENCE),
+    "broken-ignores-seed": ("IgnoresSeed", INFERENCE),
     "broken-drops-eos": ("DropsEos", INFERENCE),
     "broken-length-for-stop": ("LengthForStop", INFERENCE),
     "broken-early-tags": ("EarlyTags", INFERENCE),
@@ -703,6 +789,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
 #: Correct backends built otherwise than the reference: every standard check must pass on them.
 CORRECT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "correct-static-batching": ("StaticBatching", INFERENCE),
+    "correct-no-seeds": ("NoSeeds", NO_SEEDS),
 }
 
 #: Broken backends no standard check catches yet.

@@ -127,6 +127,26 @@ EXPECTED: dict[str, Expectation] = {
         "test_samples_follow_the_model_distribution",
         "samples at temperature 2.0, top_p 1.0 do not follow the model's distribution",
     ),
+    "broken-cuts-before-temperature": Expectation(
+        "test_samples_follow_the_model_distribution and top_p-0.7-temperature-0.5",
+        "test_samples_follow_the_model_distribution",
+        "sampled tokens lie outside the top_p=0.7 nucleus (temperature 0.5, cut after it)",
+    ),
+    "broken-ignores-top-k": Expectation(
+        "test_samples_follow_the_model_distribution and top_k-5-temperature-2",
+        "test_samples_follow_the_model_distribution",
+        "sampled tokens lie outside the top_k=5 set (temperature 2.0",
+    ),
+    "broken-ignores-min-p": Expectation(
+        "test_samples_follow_the_model_distribution and min_p-0.1-temperature-2",
+        "test_samples_follow_the_model_distribution",
+        "sampled tokens lie outside the min_p=0.1 set (temperature 2.0",
+    ),
+    "broken-ignores-seed": Expectation(
+        "test_a_seed_fixes_the_samples",
+        "test_a_seed_fixes_the_samples",
+        "seed 11 sent again gave other samples",
+    ),
     "broken-copied-group-samples": Expectation(
         "test_samples_of_one_request_are_independent",
         "test_samples_of_one_request_are_independent",
@@ -368,6 +388,7 @@ def test_the_same_checks_pass_on_the_reference_backend(tmp_path: Path) -> None:
 #: The checks a correct backend built otherwise than the reference must pass, by backend.
 CORRECT_CHECKS: dict[str, tuple[str, ...]] = {
     "correct-static-batching": ("test_requests_in_flight_survive_updates", "test_every_version_tag_is_true"),
+    "correct-no-seeds": ("test_streamed_deltas_add_up_to_the_non_streamed_text",),
 }
 assert set(CORRECT_CHECKS) == set(_plugin.CORRECT_BACKENDS)
 

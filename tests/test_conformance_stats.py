@@ -33,6 +33,26 @@ def test_top_p_keeps_the_smallest_set_reaching_top_p_then_renormalises() -> None
     assert not bool(nucleus_is_ambiguous(probs.log(), 1.0, 0.7, 1e-3))
 
 
+def test_the_cuts_come_after_the_temperature_as_in_vllm() -> None:
+    """min-p, top-k and top-p cut the tempered distribution: at temperature 0.5 the nucleus of
+    top_p 0.6 is one token where the untempered one has two; min-p 0.4 keeps 2 tokens untempered,
+    1 at temperature 0.5 and 3 at temperature 2; top-k keeps the k best (ties kept), renormalised."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    x = probs.log()
+    assert int((sampling_distribution(x, 1.0, 0.6) > 0).sum()) == 2  # 0.5 < 0.6
+    assert int((sampling_distribution(x, 0.5, 0.6) > 0).sum()) == 1  # 0.25 / 0.365 = 0.68 >= 0.6
+    assert [int((sampling_distribution(x, t, min_p=0.4) > 0).sum()) for t in (1.0, 0.5, 2.0)] == [2, 1, 3]
+    hot = probs[:2] ** 2 / (probs[:2] ** 2).sum()
+    assert torch.allclose(sampling_distribution(x, 0.5, top_k=2)[:2], hot)
+    assert int((sampling_distribution(torch.tensor([1.0, 1.0, 0.0]), 1.0, top_k=1) > 0).sum()) == 2  # a tie stays
+    assert bool(nucleus_is_ambiguous(x, 1.0, 1.0, 0.0, min_p=0.6 + 1e-5, logit_slack=1e-3))  # 0.3 vs 0.6 * 0.5
+    assert not bool(nucleus_is_ambiguous(x, 1.0, 1.0, 0.0, min_p=0.4, logit_slack=1e-3))
+    assert (
+        bool(nucleus_is_ambiguous(torch.tensor([2.0, 1.0, 1.0005]), 1.0, 1.0, 0.0, top_k=1, logit_slack=1e-3)) is False
+    )
+    assert bool(nucleus_is_ambiguous(torch.tensor([2.0, 1.0, 1.0005]), 1.0, 1.0, 0.0, top_k=2, logit_slack=1e-3))
+
+
 def test_pit_is_none_outside_the_support_and_spans_the_token_interval() -> None:
     p = torch.tensor([0.2, 0.5, 0.3, 0.0], dtype=torch.float64)
     assert randomized_pit(p, 3, 0.5) is None

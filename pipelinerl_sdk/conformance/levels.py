@@ -48,6 +48,10 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement("stop_strings", "stop strings cut the text (the loop stops on end-of-sequence)", loop=False),
         Requirement("logit_bias", "logit_bias reaches the sampler (the loop does not bias)", loop=False),
         Requirement("penalties", "penalties reach the sampler (the loop samples the raw model)", loop=False),
+        Requirement(
+            "sampling_filters", "top_k and min_p cut the distribution (the loop samples the raw model)", loop=False
+        ),
+        Requirement("seeds", "a seed fixes a request's samples (the loop samples unseeded)", loop=False),
         Requirement("streaming", "streamed chat equals the non-streamed one (the loop does not stream)", loop=False),
         Requirement(
             "structured_outputs", "JSON, regex, choice and forced tool calls (the loop samples free text)", loop=False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -39,26 +40,72 @@ REQUESTS, N, TOKENS = 4, 8, 12
 #: How far from ``top_p`` a token's preceding mass must be for the server's dtype to put it on
 #: the same side of the nucleus boundary as the mirror (else that position is not judged).
 NUCLEUS_SLACK = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.02}
+#: The same for the min-p and top-k cuts, in logits (a token's logit against the min-p
+#: threshold's, the k-th against the (k+1)-th).
+LOGIT_SLACK = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
 #: Smallest gap between the best and second-best logit along a greedy path the suite relies on.
 GREEDY_GAP = {"float32": 0.05, "bfloat16": 1.0, "float16": 0.5}
 
-SETTINGS = {
-    "temperature-1": (1.0, 1.0),
-    "temperature-0.5": (0.5, 1.0),
-    "temperature-2": (2.0, 1.0),
-    "top_p-0.7": (1.0, 0.7),
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What one sampling check asks for: the temperature and the cuts after it (off by default)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def fields(self) -> dict[str, Any]:
+        """The request fields of this setting (a cut that is off is not sent)."""
+        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p}
+        if self.top_k:
+            out["top_k"] = self.top_k
+        if self.min_p:
+            out["min_p"] = self.min_p
+        return out
+
+    def cut(self) -> str:
+        """The allowed set, named for a message."""
+        if self.top_k:
+            return f"top_k={self.top_k} set"
+        if self.min_p:
+            return f"min_p={self.min_p} set"
+        return f"top_p={self.top_p} nucleus"
+
+
+#: Every sampling setting checked. The cuts are applied after the temperature (vLLM's order), so
+#: each is also sampled at temperatures other than 1, where the two orders differ.
+SETTINGS: dict[str, Setting] = {
+    "temperature-1": Setting(1.0),
+    "temperature-0.5": Setting(0.5),
+    "temperature-2": Setting(2.0),
+    "top_p-0.7": Setting(1.0, top_p=0.7),
+    "top_p-0.7-temperature-0.5": Setting(0.5, top_p=0.7),
+    "top_p-0.7-temperature-2": Setting(2.0, top_p=0.7),
+    "top_k-5-temperature-0.5": Setting(0.5, top_k=5),
+    "top_k-5-temperature-2": Setting(2.0, top_k=5),
+    "min_p-0.1-temperature-0.5": Setting(0.5, min_p=0.1),
+    "min_p-0.1-temperature-2": Setting(2.0, min_p=0.1),
 }
 
 
+def _setting_param(name: str) -> Any:
+    """``name`` as a parameter; top-k and min-p settings require ``sampling_filters``."""
+    s = SETTINGS[name]
+    marks = [pytest.mark.requires("sampling_filters")] if s.top_k or s.min_p else []
+    return pytest.param(name, marks=marks, id=name)
+
+
 async def draw(
-    client: InferenceClient, temperature: float, top_p: float, *, requests: int = REQUESTS, n: int = N
+    client: InferenceClient, setting: Setting, *, requests: int = REQUESTS, n: int = N
 ) -> list[ChatCompletionResponse]:
     """``requests`` requests of ``n`` samples of ``TOKENS`` tokens each (``ignore_eos``), sent
     together; even-numbered ones seeded (distinct seeds), odd ones not."""
 
     def body(r: int) -> dict[str, Any]:
         b: dict[str, Any] = {
-            "messages": PROMPT, "max_tokens": TOKENS, "n": n, "temperature": temperature, "top_p": top_p,
+            "messages": PROMPT, "max_tokens": TOKENS, "n": n, **setting.fields(),
             "ignore_eos": True, "return_token_ids": True,
         }  # fmt: skip
         if r % 2 == 0:
@@ -83,12 +130,16 @@ def completions(responses: Sequence[ChatCompletionResponse]) -> tuple[list[int],
 
 
 def judge_samples(
-    mirror: Mirror, prompt: list[int], samples: list[list[int]], temperature: float, top_p: float
+    mirror: Mirror, prompt: list[int], samples: list[list[int]], setting: Setting
 ) -> tuple[list[float], list[str]]:
     """Transforms of every judged token, and the tokens the distribution cannot produce."""
+    temperature = setting.temperature
     logits = mirror.next_token_logits([prompt + s for s in samples], len(prompt))
-    probs = sampling_distribution(logits, temperature, top_p)
-    ambiguous = nucleus_is_ambiguous(logits, temperature, top_p, NUCLEUS_SLACK[mirror.dtype])
+    probs = sampling_distribution(logits, temperature, setting.top_p, top_k=setting.top_k, min_p=setting.min_p)
+    ambiguous = nucleus_is_ambiguous(
+        logits, temperature, setting.top_p, NUCLEUS_SLACK[mirror.dtype],
+        top_k=setting.top_k, min_p=setting.min_p, logit_slack=LOGIT_SLACK[mirror.dtype],
+    )  # fmt: skip
     rng = random.Random(0)  # the suite's own randomization, independent of the server
     points: list[float] = []
     impossible: list[str] = []
@@ -100,7 +151,7 @@ def judge_samples(
             u = randomized_pit(probs[i, j], tok, v)
             if u is None:
                 mass = float(torch.softmax(logits[i, j].double() / temperature, -1)[tok])
-                impossible.append(f"sample {i} token {j} (id {tok}, probability {mass:.3f} before top_p)")
+                impossible.append(f"sample {i} token {j} (id {tok}, probability {mass:.3f} before the cut)")
             else:
                 points.append(u)
     return points, impossible
@@ -109,30 +160,32 @@ def judge_samples(
 class SamplingChecks:
     """Mixed into :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests`."""
 
-    @pytest.mark.parametrize("setting", list(SETTINGS))
+    @pytest.mark.parametrize("setting", [_setting_param(n) for n in SETTINGS])
     def test_samples_follow_the_model_distribution(
         self, server_under_test: ServerUnderTest, mirror: Mirror, setting: str
     ) -> None:
-        """Sampled tokens are draws from softmax(logits / temperature), restricted to the
-        ``top_p`` nucleus and renormalised, given their prefix: at temperature 1 the model's own
-        distribution, at 0.5 a sharper one, at 2 a flatter one, with ``top_p`` 0.7 no token outside the nucleus.
+        """Sampled tokens are draws from softmax(logits / temperature), then cut as asked (vLLM's
+        order: temperature first, then min-p, top-k, top-p) and renormalised, given their prefix:
+        at temperature 1 the model's own distribution, at 0.5 a sharper one, at 2 a flatter one;
+        with ``top_p`` 0.7, ``top_k`` 5 or ``min_p`` 0.1 (each at temperatures other than 1, where
+        cutting before the temperature differs) no token outside the allowed set (tolerance 0).
         Exact test (false-failure rate ALPHA = 1e-6 per setting, any RNG): the transforms of
         384 tokens (seeded and unseeded requests) must be uniform."""
-        temperature, top_p = SETTINGS[setting]
+        s = SETTINGS[setting]
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                responses = await draw(client, temperature, top_p)
+                responses = await draw(client, s)
             prompt, samples = completions(responses)
-            points, impossible = judge_samples(mirror, prompt, samples, temperature, top_p)
+            points, impossible = judge_samples(mirror, prompt, samples, s)
             assert not impossible, (
-                f"{len(impossible)} sampled tokens lie outside the top_p={top_p} nucleus (temperature "
-                f"{temperature}): " + "; ".join(impossible[:5])
+                f"{len(impossible)} of {len(samples) * TOKENS} sampled tokens lie outside the {s.cut()} "
+                f"(temperature {s.temperature}, cut after it): " + "; ".join(impossible[:5])
             )
             test = dkw_uniformity(points, ALPHA)
             assert not test.rejected, (
-                f"samples at temperature {temperature}, top_p {top_p} do not follow the model's distribution: "
-                + test.describe()
+                f"samples at temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, min_p {s.min_p} do not "
+                "follow the model's distribution: " + test.describe()
             )
 
         arun(body)
@@ -145,7 +198,7 @@ class SamplingChecks:
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                responses = await draw(client, 1.0, 1.0)
+                responses = await draw(client, Setting(1.0))
             prompt, samples = completions(responses)
             groups: dict[str, list[list[int]]] = {}
             for r in range(REQUESTS):
@@ -166,6 +219,34 @@ class SamplingChecks:
             assert not flagged, "samples are copies, not independent draws: " + "; ".join(flagged)
 
         arun(body)
+
+    @pytest.mark.requires("seeds")
+    def test_a_seed_fixes_the_samples(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """A seeded sampled request (temperature 1, ``n`` 2) gives the same tokens every time it
+        is sent, alone or beside unseeded requests; another seed gives other samples (flagged
+        only when their coincidence has probability below ALPHA under the model). Exact."""
+
+        def body(seed: int | None) -> dict[str, Any]:
+            b = {"messages": PROMPT, "max_tokens": TOKENS, "n": 2, "temperature": 1.0, "ignore_eos": True,
+                 "return_token_ids": True}  # fmt: skip
+            return b if seed is None else {**b, "seed": seed}
+
+        async def main() -> None:
+            async with server_under_test.client() as client:
+                first = await client.chat(body(11))
+                again = await client.chat(body(11))
+                busy = await asyncio.gather(client.chat(body(11)), *(client.chat(body(None)) for _ in range(3)))
+                other = await client.chat(body(12))
+            prompt, (a0, a1) = completions([first])
+            for what, resp in (("sent again", again), ("sent beside 3 unseeded requests", busy[0])):
+                _, replay = completions([resp])
+                assert replay == [a0, a1], f"seed 11 {what} gave other samples: {replay} != {[a0, a1]}"
+            _, b = completions([other])
+            if b == [a0, a1]:
+                chance = float(torch.exp(sampled_logprob(mirror, prompt, a0) + sampled_logprob(mirror, prompt, a1)))
+                assert chance >= ALPHA, f"seeds 11 and 12 gave the same samples {b} (chance {chance:.2g} < {ALPHA:g})"
+
+        arun(main)
 
     def test_completions_end_as_they_say(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
         """A completion that stops on end-of-sequence carries that token (id, logprob, version)

@@ -3,8 +3,8 @@ for any sample size (no asymptotics), so a correct engine fails with probability
 ``alpha`` whatever its random number generator.
 
 - :func:`sampling_distribution`: what a token must be drawn from, given the model's logits, the
-  temperature and ``top_p`` (vLLM's semantics: temperature first, then the smallest set of most
-  likely tokens whose mass reaches ``top_p``).
+  temperature, ``min_p``, ``top_k`` and ``top_p`` (vLLM's semantics: temperature first, then
+  min-p, top-k, and the smallest set of most likely tokens whose mass reaches ``top_p``).
 - :func:`randomized_pit`: the randomized probability integral transform of a drawn token. If every
   token of a completion is drawn from its distribution, the transforms of all its tokens (and of
   all independent completions) are i.i.d. uniform on [0, 1], in whatever order they were drawn.
@@ -22,11 +22,27 @@ from dataclasses import dataclass
 import torch
 
 
-def sampling_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Rows of probabilities a correct sampler draws from (``logits``: ``[..., vocab]``, fp32 or
-    fp64). ``top_p`` keeps token k iff the mass of the tokens more likely than k is below
-    ``top_p`` (at least the most likely token survives), then renormalises."""
+def _filtered(logits: torch.Tensor, temperature: float, top_k: int, min_p: float) -> torch.Tensor:
+    """softmax(logits / temperature), then min-p (tokens under ``min_p`` times the best token's
+    probability dropped) and top-k (tokens below the k-th probability dropped, ties kept),
+    renormalised: vLLM's order, every cut after the temperature."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    if 0 < top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sampling_distribution(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Rows of probabilities a correct sampler draws from (``logits``: ``[..., vocab]``, fp32 or
+    fp64), in vLLM's order: the temperature first, then min-p, top-k (``<= 0``: off) and top-p.
+    ``top_p`` keeps token k iff the mass of the tokens more likely than k is below ``top_p`` (at
+    least the most likely token survives), then renormalises."""
+    probs = _filtered(logits, temperature, top_k, min_p)
     if top_p >= 1.0:
         return probs
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
@@ -36,15 +52,34 @@ def sampling_distribution(logits: torch.Tensor, temperature: float, top_p: float
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def nucleus_is_ambiguous(logits: torch.Tensor, temperature: float, top_p: float, slack: float) -> torch.Tensor:
-    """Per row: whether some token's preceding mass lies within ``slack`` of ``top_p``, so that
-    numerics of the server's dtype may put it on either side of the nucleus boundary."""
-    if top_p >= 1.0:
-        return torch.zeros(logits.shape[:-1], dtype=torch.bool)
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    return ((before - top_p).abs() < slack).any(dim=-1)
+def nucleus_is_ambiguous(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    slack: float,
+    *,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    logit_slack: float = 0.0,
+) -> torch.Tensor:
+    """Per row: whether numerics of the server's dtype may put some token on either side of a
+    cut: its preceding mass within ``slack`` of ``top_p``; its logit within ``logit_slack`` of the
+    min-p threshold's (``max + temperature * log(min_p)``); or the k-th and (k+1)-th logits within
+    ``logit_slack`` of each other."""
+    out = torch.zeros(logits.shape[:-1], dtype=torch.bool)
+    x = logits.double()
+    if min_p > 0:
+        threshold = x.amax(dim=-1, keepdim=True) + temperature * math.log(min_p)
+        out |= ((x - threshold).abs() < logit_slack).any(dim=-1)
+    if 0 < top_k < x.shape[-1]:
+        top = torch.topk(x, top_k + 1, dim=-1).values
+        out |= (top[..., -2] - top[..., -1]) < logit_slack
+    if top_p < 1.0:
+        probs = _filtered(logits, temperature, top_k, min_p)
+        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        out |= ((before - top_p).abs() < slack).any(dim=-1)
+    return out
 
 
 def randomized_pit(probs: torch.Tensor, token: int, v: float) -> float | None:

@@ -24,7 +24,12 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #:   stop strings, logit_bias, the penalties, top_k and min_p are refused with a 400 naming them
 #:   (not yet carried through Dynamo's request and checked).
 CAPABILITIES = replace(
-    full_capabilities("direct", "staged"), prompt_logprobs=False, stop_strings=False, logit_bias=False, penalties=False
+    full_capabilities("direct", "staged"),
+    prompt_logprobs=False,
+    stop_strings=False,
+    logit_bias=False,
+    penalties=False,
+    sampling_filters=False,
 )
 
 CARD = EngineCard(

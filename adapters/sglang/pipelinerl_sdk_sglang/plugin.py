@@ -23,9 +23,17 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - streaming (chat and completions) over SGLang's streamed ``/generate``, ``/v1/completions``,
 #:   and structured output through SGLang's grammar backend (xgrammar: ``json_schema``, ``regex``,
 #:   ``ebnf``);
-#: - no ``logit_bias``: SGLang's native sampling parameters have none (a 400 naming it).
+#: - no ``logit_bias``: SGLang's native sampling parameters have none (a 400 naming it);
+#: - no per-request ``seeds``: SGLang takes ``sampling_seed`` but uses it only with
+#:   ``--enable-deterministic-inference``, which needs a GPU attention backend, so on CPU a seeded
+#:   request does not replay (its streams are checked greedy). Declared on a GPU build once checked.
 CAPABILITIES = replace(
-    full_capabilities("staged", "direct"), logit_bias=False, streaming=True, completions=True, structured_outputs=True
+    full_capabilities("staged", "direct"),
+    logit_bias=False,
+    seeds=False,
+    streaming=True,
+    completions=True,
+    structured_outputs=True,
 )
 
 CARD = EngineCard(

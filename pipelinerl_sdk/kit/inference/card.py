@@ -32,9 +32,10 @@ class _Registry(Protocol):
 
 def full_capabilities(*receive_modes: ReceiveMode) -> InferenceCapabilities:
     """The capabilities of an engine that serves the whole protocol: gloo and NCCL groups,
-    in-flight updates, prompt and top logprobs, float32 and bfloat16, stop strings, ``logit_bias``
-    and the penalties; only the ``receive_modes`` (``direct``, ``staged``) differ between such
-    engines. Declare less where the engine does less (``dataclasses.replace``)."""
+    in-flight updates, prompt and top logprobs, float32 and bfloat16, stop strings, ``logit_bias``,
+    the penalties, ``top_k`` and ``min_p``, and per-request seeds; only the ``receive_modes``
+    (``direct``, ``staged``) differ between such engines. Declare less where the engine does less
+    (``dataclasses.replace``)."""
     return InferenceCapabilities(
         receive_modes=frozenset(receive_modes),
         group_backends=frozenset({"gloo", "nccl"}),
@@ -43,6 +44,8 @@ def full_capabilities(*receive_modes: ReceiveMode) -> InferenceCapabilities:
         stop_strings=True,
         logit_bias=True,
         penalties=True,
+        sampling_filters=True,
+        seeds=True,
     )
 
 
