@@ -629,12 +629,61 @@ class IgnoresLogitBias(ReferenceInferenceBackend):
 class IgnoresPenalties(ReferenceInferenceBackend):
     """Accepts the presence, frequency and repetition penalties and drops them.
 
-    Caught by ``test_penalties_change_a_repetitive_greedy_text``: "frequency_penalty=2 left the most
-    repeated token"."""
+    Caught by ``test_penalties_follow_vllms_rules``: "greedy tokens differ from vLLM's rules"."""
 
     async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         dropped = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
         return await super().chat_completion(req.model_copy(update=dropped))  # the bug
+
+
+def _penalised(logits: torch.Tensor, seen: list[int], counted: list[int], params: SamplingParams) -> torch.Tensor:
+    """``logits`` with the repetition penalty over ``seen``, then the frequency and presence
+    penalties over ``counted``."""
+    out = logits.clone()
+    if params.repetition_penalty != 1.0 and seen:
+        idx = torch.tensor(sorted(set(seen)))
+        x = out[idx]
+        out[idx] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+    if counted:
+        counts = torch.bincount(torch.tensor(counted), minlength=out.shape[0]).to(out.dtype)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+class _RepetitionOverOutputEngine(ContinuousBatchingEngine):
+    def _process(self, request: _Request, logits: torch.Tensor) -> torch.Tensor:
+        # the bug (SGLang 0.5's rule): the repetition penalty counts the output's tokens only
+        return _penalised(logits, request.token_ids, request.token_ids, request.params)
+
+
+class RepetitionOverOutputOnly(ReferenceInferenceBackend):
+    """Applies the repetition penalty to the tokens of the output only, not the prompt's (vLLM
+    counts both; SGLang 0.5 counts the output's).
+
+    Caught by ``test_penalties_follow_vllms_rules``: "repetition_penalty=1.6: greedy tokens differ
+    from vLLM's rules"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _RepetitionOverOutputEngine, version=0)
+
+
+class _PenaltiesOverPromptEngine(ContinuousBatchingEngine):
+    def _process(self, request: _Request, logits: torch.Tensor) -> torch.Tensor:
+        seen = [*request.prompt, *request.token_ids]
+        return _penalised(logits, seen, seen, request.params)  # the bug: the prompt's tokens are counted
+
+
+class PenaltiesOverPrompt(ReferenceInferenceBackend):
+    """Counts the prompt's tokens in the frequency and presence penalties too (vLLM, like OpenAI,
+    counts the output's only).
+
+    Caught by ``test_penalties_follow_vllms_rules``: "presence_penalty=1.5: greedy tokens differ
+    from vLLM's rules"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.engine = _rebuild_engine(self.engine, _PenaltiesOverPromptEngine, version=0)
 
 
 class IgnoresStructuredOutput(ReferenceInferenceBackend):
@@ -779,6 +828,8 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-keeps-stop-string": ("KeepsStopString", INFERENCE),
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
+    "broken-repetition-over-output-only": ("RepetitionOverOutputOnly", INFERENCE),
+    "broken-penalties-over-prompt": ("PenaltiesOverPrompt", INFERENCE),
     "broken-drops-a-chunk": ("DropsAChunk", INFERENCE),
     "broken-streams-stop-strings": ("StreamsStopStrings", INFERENCE),
     "broken-ignores-structured-output": ("IgnoresStructuredOutput", INFERENCE),

@@ -203,9 +203,19 @@ EXPECTED: dict[str, Expectation] = {
         "logit_bias +100 on token",
     ),
     "broken-ignores-penalties": Expectation(
-        "test_penalties_change_a_repetitive_greedy_text",
-        "test_penalties_change_a_repetitive_greedy_text",
-        "frequency_penalty=2 left the most repeated token",
+        "test_penalties_follow_vllms_rules",
+        "test_penalties_follow_vllms_rules",
+        "presence_penalty=1.5: greedy tokens differ from vLLM's rules from token 7 on",
+    ),
+    "broken-repetition-over-output-only": Expectation(
+        "test_penalties_follow_vllms_rules",
+        "test_penalties_follow_vllms_rules",
+        "repetition_penalty=1.6: greedy tokens differ from vLLM's rules",
+    ),
+    "broken-penalties-over-prompt": Expectation(
+        "test_penalties_follow_vllms_rules",
+        "test_penalties_follow_vllms_rules",
+        "presence_penalty=1.5: greedy tokens differ from vLLM's rules",
     ),
     "broken-drops-a-chunk": Expectation(
         "test_streamed_deltas_add_up_to_the_non_streamed_text",

@@ -7,8 +7,10 @@ the schema. Each is gated on the capability the backend declares.
 - ``logit_bias``: +100 on one token makes every sampled token that token (temperature 1, its
   bias dwarfs any logit gap of a real model); -100 on the greedy first token moves the greedy
   choice off it. Exact.
-- Penalties: on a greedy text that repeats a token, a frequency penalty lowers the count of its
-  most repeated token. Exact.
+- Penalties: greedy texts under ``presence_penalty``, ``frequency_penalty`` and
+  ``repetition_penalty``, each alone and the three together, equal vLLM's rules computed on the
+  mirror (which tokens each counts: the repetition penalty the prompt's and the output's, the
+  other two the output's; the repetition penalty first). Exact, up to a near-tie.
 - ``streaming``: the chunks of a seeded sampled request (``n`` 2, logprobs, token ids; greedy on a
   backend that does not declare ``seeds``) add up,
   per choice, to the same request's non-streamed text, token ids, logprobs and weight versions,
@@ -27,9 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from pipelinerl_sdk.conformance.common import PROMPT, arun
 from pipelinerl_sdk.conformance.mirror import Mirror
+from pipelinerl_sdk.conformance.sampling import LOGIT_SLACK
 from pipelinerl_sdk.conformance.structured import TOOLS, no_whitespace
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.http.client import InferenceClient
@@ -57,8 +61,53 @@ def stop_string_of(text: str) -> tuple[str, int]:
     raise AssertionError(f"greedy text {text!r} has no printable two characters to stop on")
 
 
-def _most_repeated(ids: list[int]) -> int:
-    return max(ids.count(t) for t in set(ids))
+#: A greedy request of ``TOKENS`` tokens (``messages`` added by the caller).
+GREEDY: dict[str, Any] = {"max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+#: The penalty cases: each penalty alone, then all three together (where their order matters).
+PENALTIES: dict[str, dict[str, float]] = {
+    "presence_penalty=1.5": {"presence_penalty": 1.5},
+    "frequency_penalty=0.7": {"frequency_penalty": 0.7},
+    "repetition_penalty=1.6": {"repetition_penalty": 1.6},
+    "presence 0.5, frequency 0.4, repetition 1.3": {
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.4,
+        "repetition_penalty": 1.3,
+    },
+}
+
+
+@torch.no_grad()
+def penalised_greedy(
+    mirror: Mirror,
+    prompt: list[int],
+    tokens: int,
+    *,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+) -> tuple[list[int], list[float]]:
+    """The greedy completion of ``prompt`` under vLLM 0.32's penalty rules on the mirror's weights,
+    and at each step the gap between the best two processed logits. vLLM's order: the repetition
+    penalty on every token seen in the prompt or the output (a positive logit divided by it, any
+    other multiplied), then ``frequency_penalty`` times each token's count in the output and
+    ``presence_penalty`` once per token in the output subtracted; greedy is their argmax."""
+    ids, out, gaps = list(prompt), list[int](), list[float]()
+    for _ in range(tokens):
+        logits = mirror.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].double()
+        if repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(ids)))
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / repetition_penalty, x * repetition_penalty)
+        if out:
+            counts = torch.bincount(torch.tensor(out), minlength=logits.numel()).double()
+            logits -= frequency_penalty * counts + presence_penalty * (counts > 0).double()
+        top = torch.topk(logits, 2)
+        gaps.append(float(top.values[0] - top.values[1]))
+        tok = int(top.indices[0])
+        out.append(tok)
+        ids.append(tok)
+    return out, gaps
 
 
 class GenerationChecks:
@@ -113,22 +162,36 @@ class GenerationChecks:
         arun(body)
 
     @pytest.mark.requires("penalties")
-    def test_penalties_change_a_repetitive_greedy_text(
-        self, server_under_test: ServerUnderTest, mirror: Mirror
-    ) -> None:
-        """A frequency penalty of 2 lowers the count of the most repeated token of a greedy text
-        of ``TOKENS`` tokens that repeats one (skipped on a model whose greedy text does not)."""
+    def test_penalties_follow_vllms_rules(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """Greedy texts of ``TOKENS`` tokens under each penalty alone and all three together are
+        the ones vLLM's rules give on the served weights (:func:`penalised_greedy`): the repetition
+        penalty over the prompt's and the output's tokens, then the frequency and presence
+        penalties over the output's. Exact, up to the first step where the mirror's best two
+        processed logits are nearer than the dtype's numerics can order."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                base = (await _one(client)).token_ids or []
-                if _most_repeated(base) < 4:
-                    pytest.skip(f"the greedy text repeats no token 4 times: {base}")
-                penalised = (await _one(client, frequency_penalty=2.0)).token_ids or []
-            assert _most_repeated(penalised) < _most_repeated(base), (
-                f"frequency_penalty=2 left the most repeated token at {_most_repeated(penalised)} of {TOKENS} "
-                f"(without: {_most_repeated(base)}): {penalised}"
-            )
+                base = await client.chat({**GREEDY, "messages": PROMPT})
+                got = {w: await client.chat({**GREEDY, "messages": PROMPT, **x}) for w, x in PENALTIES.items()}
+            prompt = list(base.prompt_token_ids or [])
+            assert prompt, "return_token_ids: prompt_token_ids missing"
+            gap = LOGIT_SLACK[mirror.dtype]
+            plain, _ = penalised_greedy(mirror, prompt, TOKENS)
+            blind = []
+            for what, extra in PENALTIES.items():
+                want, gaps = penalised_greedy(mirror, prompt, TOKENS, **extra)
+                judged = next((i for i, g in enumerate(gaps) if g < gap), TOKENS)
+                tokens = list(got[what].choices[0].token_ids or [])
+                if tokens[:judged] != want[:judged]:
+                    at = next(i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b) if tokens else 0
+                    pytest.fail(
+                        f"{what}: greedy tokens differ from vLLM's rules from token {at} on (of {judged} judged): "
+                        f"got {tokens}, vLLM's rules give {want} (no penalty: {plain})"
+                    )
+                if want[:judged] == plain[:judged]:
+                    blind.append(what)
+            if len(blind) == len(PENALTIES):
+                pytest.skip(f"no penalty case changes this model's greedy text: {plain}")
 
         arun(body)
 

@@ -622,8 +622,7 @@ class ContinuousBatchingEngine:
             logits = logits.clone()
             constraint.mask_(logits)
             logp = torch.log_softmax(logits, dim=-1)
-        processed = process_logits(logits, request.prompt, request.token_ids, request.bias, params)
-        token = self._sample(processed, params, request.generator)
+        token = self._sample(self._process(request, logits), params, request.generator)
         if constraint is not None:
             constraint.accept(token)
         request.token_ids.append(token)
@@ -646,6 +645,11 @@ class ContinuousBatchingEngine:
         if request.progress is not None and request.finish_reason is None:
             with suppress(RuntimeError):  # the loop closed: nobody reads the stream any more
                 request.loop.call_soon_threadsafe(request.progress.set)
+
+    def _process(self, request: _Request, logits: torch.Tensor) -> torch.Tensor:
+        """``request``'s fp32 ``logits`` row with its ``logit_bias`` and penalties applied
+        (:func:`~.sampling.process_logits`, vLLM's rules)."""
+        return process_logits(logits, request.prompt, request.token_ids, request.bias, request.params)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         """One token from the processed fp32 ``logits`` row (:func:`~.sampling.sample`);

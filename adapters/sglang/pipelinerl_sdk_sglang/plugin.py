@@ -24,12 +24,17 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #:   and structured output through SGLang's grammar backend (xgrammar: ``json_schema``, ``regex``,
 #:   ``ebnf``);
 #: - no ``logit_bias``: SGLang's native sampling parameters have none (a 400 naming it);
+#: - no ``penalties`` with vLLM's rules: presence and frequency penalties are vLLM's (the suite's
+#:   cases for them pass), but SGLang's repetition penalty counts the generated tokens only
+#:   (vLLM's counts the prompt's too: the suite's repetition case differs from token 2 on), and
+#:   SGLang applies its penalizers in the iteration order of a set. Passed on as SGLang's own;
 #: - no per-request ``seeds``: SGLang takes ``sampling_seed`` but uses it only with
 #:   ``--enable-deterministic-inference``, which needs a GPU attention backend, so on CPU a seeded
 #:   request does not replay (its streams are checked greedy). Declared on a GPU build once checked.
 CAPABILITIES = replace(
     full_capabilities("staged", "direct"),
     logit_bias=False,
+    penalties=False,
     seeds=False,
     streaming=True,
     completions=True,
