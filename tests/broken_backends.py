@@ -44,6 +44,8 @@ from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    CompletionRequest,
+    CompletionResponse,
     ParamSpec,
     ReceiveMode,
     SamplingRequest,
@@ -686,6 +688,32 @@ class PenaltiesOverPrompt(ReferenceInferenceBackend):
         self.engine = _rebuild_engine(self.engine, _PenaltiesOverPromptEngine, version=0)
 
 
+class RetokenizesPrompts(ReferenceInferenceBackend):
+    """Decodes a ``/v1/completions`` prompt of token ids to text and tokenizes that (an adapter
+    that hands its engine text only): the ids the engine sees are not the ones sent.
+
+    Caught by ``test_completion_token_ids_are_used_as_given``: "prompt_token_ids ... are not the
+    ids sent"."""
+
+    async def completion(self, req: CompletionRequest) -> CompletionResponse:
+        prompts = [self.tokenizer.decode(p) if isinstance(p, list) else p for p in req.prompts()]  # the bug
+        return await super().completion(req.model_copy(update={"prompt": prompts if len(prompts) > 1 else prompts[0]}))
+
+
+class AddsBos(ReferenceInferenceBackend):
+    """Puts a BOS token before a ``/v1/completions`` prompt of token ids (vLLM uses such a prompt
+    as given).
+
+    Caught by ``test_completion_token_ids_are_used_as_given``: "prompt_token_ids ... are not the
+    ids sent"."""
+
+    async def completion(self, req: CompletionRequest) -> CompletionResponse:
+        bos = self.tokenizer.bos_token_id
+        bos = self.tokenizer.eos_token_id if bos is None else bos
+        prompts = [[bos, *p] if isinstance(p, list) else p for p in req.prompts()]  # the bug
+        return await super().completion(req.model_copy(update={"prompt": prompts if len(prompts) > 1 else prompts[0]}))
+
+
 class IgnoresStructuredOutput(ReferenceInferenceBackend):
     """Takes ``response_format``, ``structured_outputs`` and a forced ``tool_choice``, and samples
     free text (an adapter that forgets to map them onto its engine's grammar).
@@ -833,6 +861,8 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-drops-a-chunk": ("DropsAChunk", INFERENCE),
     "broken-streams-stop-strings": ("StreamsStopStrings", INFERENCE),
     "broken-ignores-structured-output": ("IgnoresStructuredOutput", INFERENCE),
+    "broken-retokenizes-prompts": ("RetokenizesPrompts", INFERENCE),
+    "broken-adds-bos": ("AddsBos", INFERENCE),
     "broken-tool-calls-as-text": ("ToolCallsAsText", INFERENCE),
     "broken-streams-tool-calls-as-text": ("StreamsToolCallsAsText", INFERENCE),
 }

@@ -227,6 +227,16 @@ EXPECTED: dict[str, Expectation] = {
         "test_streamed_deltas_add_up_to_the_non_streamed_text",
         "with stop=",
     ),
+    "broken-retokenizes-prompts": Expectation(
+        "test_completion_token_ids_are_used_as_given",
+        "test_completion_token_ids_are_used_as_given",
+        "are not the ids sent",
+    ),
+    "broken-adds-bos": Expectation(
+        "test_completion_token_ids_are_used_as_given",
+        "test_completion_token_ids_are_used_as_given",
+        "are not the ids sent",
+    ),
     "broken-ignores-structured-output": Expectation(
         "test_structured_output_follows_its_constraint",
         "test_structured_output_follows_its_constraint",

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from pipelinerl_sdk.conformance.common import PROMPT, arun
-from pipelinerl_sdk.conformance.mirror import Mirror
+from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.sampling import LOGIT_SLACK
 from pipelinerl_sdk.conformance.structured import TOOLS, no_whitespace
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
@@ -75,6 +75,26 @@ PENALTIES: dict[str, dict[str, float]] = {
         "repetition_penalty": 1.3,
     },
 }
+
+
+def retokenized_apart(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Token ids whose text encodes to other ids: a few ordinary tokens, then a word of the
+    vocabulary spelled one character per token (its text encodes to the word's own token). No
+    special token, no BOS."""
+    special = set(tokenizer.all_special_ids)
+    spelled: list[int] = []
+    for word in range(vocab_size):
+        text = tokenizer.decode([word])
+        if word in special or len(text) < 3 or not text.isalpha():
+            continue
+        chars = [tokenizer.encode(c, add_special_tokens=False) for c in text]
+        if all(len(c) == 1 for c in chars) and tokenizer.encode(text, add_special_tokens=False) == [word]:
+            spelled = [c[0] for c in chars]
+            break
+    assert spelled, "no vocabulary word spelled one token per character: cannot build a prompt that re-encodes apart"
+    ids: list[int] = list(tokenizer.encode("Say it again:", add_special_tokens=False)) + spelled
+    assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) != ids
+    return ids
 
 
 @torch.no_grad()
@@ -195,6 +215,50 @@ class GenerationChecks:
 
         arun(body)
 
+    @pytest.mark.requires("completions")
+    def test_completion_token_ids_are_used_as_given(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """``/v1/completions`` with a prompt of token ids uses exactly those ids: no decode and
+        re-encode, no added BOS. The prompt is chosen so that its text re-encodes to other ids
+        (:func:`retokenized_apart`); the answer's ``prompt_token_ids`` must be the ids sent, its
+        greedy tokens the mirror's greedy path from them, and (``prompt_logprobs`` declared) its
+        prompt logprobs those of the ids sent. Exact ids; logprobs within the dtype's tolerance."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(server_under_test.model_dir)
+        ids = retokenized_apart(tokenizer, int(mirror.model.config.vocab_size))
+        want, gap = mirror.greedy(ids, 8, stop=-1)
+        body: dict[str, Any] = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                "return_token_ids": True}  # fmt: skip
+        prompt_lps = server_under_test.capabilities.prompt_logprobs
+        if prompt_lps:
+            body["prompt_logprobs"] = 0
+
+        async def main() -> None:
+            async with server_under_test.client() as client:
+                resp = await client.completion(body)
+            (choice,) = resp.choices
+            text = tokenizer.decode(ids)
+            assert choice.prompt_token_ids == ids, (
+                f"prompt_token_ids {choice.prompt_token_ids} are not the ids sent {ids} (their text {text!r} "
+                f"encodes to {tokenizer.encode(text)})"
+            )
+            if gap >= LOGIT_SLACK[mirror.dtype]:
+                assert choice.token_ids == want, (
+                    f"greedy tokens {choice.token_ids} from the prompt ids {ids} are not the served weights' greedy "
+                    f"path {want} from them (the prompt was not used as given)"
+                )
+            if prompt_lps:
+                entries = choice.prompt_logprobs or []
+                assert len(entries) == len(ids) and entries[0] is None, f"prompt_logprobs: {len(entries)} entries"
+                got = []
+                for k, (tok, entry) in enumerate(zip(ids[1:], entries[1:], strict=True)):
+                    assert entry is not None and tok in entry, f"prompt_logprobs[{k + 1}] has no entry for id {tok}"
+                    got.append(entry[tok].logprob)
+                ok, msg = compare(got, mirror.logprobs(ids), mirror.dtype)
+                assert ok, f"prompt logprobs of the ids sent: {msg}"
+
+        arun(main)
+
     @pytest.mark.requires("streaming")
     def test_streamed_deltas_add_up_to_the_non_streamed_text(
         self, server_under_test: ServerUnderTest, mirror: Mirror
@@ -220,7 +284,7 @@ class GenerationChecks:
             async with server_under_test.client() as client:
                 whole = await client.chat(body)
                 chunks = [c async for c in client.chat_stream({**body, "stream_options": {"include_usage": True}})]
-            check_stream(whole.choices, chunks)
+            check_stream(whole.choices, chunks, dtype=server_under_test.dtype)
             assert chunks[-1].usage == whole.usage, f"usage chunk {chunks[-1].usage} != non-streamed {whole.usage}"
             if not server_under_test.capabilities.stop_strings:
                 return
@@ -230,7 +294,7 @@ class GenerationChecks:
                 stop, _ = stop_string_of((await client.chat(greedy)).choices[0].message.content)
                 cut = await client.chat({**greedy, "stop": [stop]})
                 cut_chunks = [c async for c in client.chat_stream({**greedy, "stop": [stop]})]
-            check_stream(cut.choices, cut_chunks, f"with stop={stop!r}: ")
+            check_stream(cut.choices, cut_chunks, f"with stop={stop!r}: ", dtype=server_under_test.dtype)
 
         arun(body_)
 
@@ -310,9 +374,13 @@ def _without_content(chunks: list[ChatCompletionChunk]) -> list[ChatCompletionCh
     ]
 
 
-def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk], what: str = "") -> None:
+def check_stream(
+    choices: list[ChatChoice], chunks: list[ChatCompletionChunk], what: str = "", dtype: str | None = None
+) -> None:
     """AssertionError (its message led by ``what``) naming the first difference between
-    ``chunks`` and the non-streamed ``choices`` of the same request."""
+    ``chunks`` and the non-streamed ``choices`` of the same request. Text, token ids, versions and
+    finish reasons exactly; logprobs exactly, or within ``dtype``'s tolerance when given (two runs
+    of one request, in other batches, may differ in the last bits)."""
     assert chunks and all(c.delta.role == "assistant" for c in chunks[0].choices), "the first chunk is not the role's"
     for choice in choices:
         mine = [c for ch in chunks[1:] for c in ch.choices if c.index == choice.index]
@@ -332,7 +400,11 @@ def check_stream(choices: list[ChatChoice], chunks: list[ChatCompletionChunk], w
         assert versions == choice.weight_versions, (
             f"choice {choice.index}: streamed weight versions {versions} != non-streamed {choice.weight_versions}"
         )
-        assert lps == want_lps, f"choice {choice.index}: streamed logprobs {lps} != non-streamed {want_lps}"
+        if dtype is None or len(lps) != len(want_lps):
+            assert lps == want_lps, f"choice {choice.index}: streamed logprobs {lps} != non-streamed {want_lps}"
+        else:
+            ok, msg = compare(lps, torch.tensor(want_lps), dtype)
+            assert ok, f"choice {choice.index}: streamed logprobs differ from the non-streamed ones: {msg}"
         reasons = [c.finish_reason for c in mine]
         assert reasons and reasons[-1] == choice.finish_reason and not any(reasons[:-1]), (
             f"choice {choice.index}: finish reasons by chunk {reasons}, non-streamed {choice.finish_reason!r}"
