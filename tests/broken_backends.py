@@ -34,7 +34,7 @@ from pipelinerl_sdk.contracts import (
     UpdateReport,
     validate_update_request,
 )
-from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed
+from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
@@ -619,6 +619,36 @@ class KeepsStopString(ReferenceInferenceBackend):
         return super()._choice(index, r, req.model_copy(update={"include_stop_str_in_output": True}))  # the bug
 
 
+class StopWithinAToken(ReferenceInferenceBackend):
+    """Stops on a stop string only when one token's own text holds it (an engine that scans each
+    new token's text alone): a stop string spanning two tokens does not stop generation (the
+    non-streamed text is still cut, by the kit's rule over the whole text).
+
+    Caught by ``test_stop_strings_at_token_edges``: "spanning two tokens ...: finish_reason
+    'length'"."""
+
+    def _sampling(self, plan: ChatPlan, req: SamplingRequest, i: int) -> SamplingParams:
+        params = super()._sampling(plan, req, i)
+        if params.stop_check is None:
+            return params
+        stops, decode = req.stop_strings, self.tokenizer.decode
+        return dataclasses.replace(params, stop_check=lambda ids: any(s in decode(ids[-1:]) for s in stops))  # the bug
+
+
+class IncludesTheWholeToken(ReferenceInferenceBackend):
+    """With ``include_stop_str_in_output``, ends the text with the whole token that completed the
+    stop string, past the stop string when it ends inside that token (vLLM cuts right after it).
+
+    Caught by ``test_stop_strings_at_token_edges``: "ending inside a token ...,
+    include_stop_str_in_output=True: text"."""
+
+    def _outcome(self, r: GenerationResult, req: SamplingRequest) -> dict[str, Any]:
+        out = super()._outcome(r, req)
+        if req.include_stop_str_in_output and isinstance(out.get("stop_reason"), str):
+            out["text"] = self.tokenizer.decode(r.token_ids, skip_special_tokens=req.skip_special_tokens)  # the bug
+        return out
+
+
 class IgnoresLogitBias(ReferenceInferenceBackend):
     """Accepts ``logit_bias`` and drops it before the engine (an adapter that forgets to map it).
 
@@ -782,6 +812,47 @@ class NotAtomicOnAbort(ReferenceInferenceBackend):
             raise
 
 
+#: How long ``broken-holds-after-refusal`` holds generation after a refused or called-off update.
+HOLD_S = 3.0
+
+
+class HoldsAfterRefusal(ReferenceInferenceBackend):
+    """Refuses a bad update and honours a called-off one, but leaves generation paused for
+    ``HOLD_S`` afterwards (a pause taken before validation, lifted only by a watchdog).
+
+    Caught by ``test_a_refused_or_called_off_update_holds_no_generation``: "generation held
+    after a refused update"."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self._holds: set[asyncio.Task[None]] = set()
+
+    def _hold(self) -> None:
+        async def hold() -> None:
+            async with self.engine.paused():
+                await asyncio.sleep(HOLD_S)
+
+        task = asyncio.get_running_loop().create_task(hold())  # the bug
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+
+    def validate_update(self, req: WeightUpdateRequest) -> None:
+        try:
+            super().validate_update(req)
+        except UpdateRejected:
+            self._hold()
+            raise
+
+    async def update_weights(
+        self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
+    ) -> UpdateReport:
+        try:
+            return await super().update_weights(req, mode, on_accepted)
+        except UpdateAborted:
+            self._hold()
+            raise
+
+
 class DropsAChunk(ReferenceInferenceBackend):
     """Streams every sample but loses its second step (a relay that drops an event under load):
     the non-streamed answer is right, the streamed one misses a token and its text.
@@ -837,6 +908,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-stale-stream-versions": ("StaleStreamVersions", INFERENCE),
     "broken-temperature-logprobs": ("TemperatureLogprobs", INFERENCE),
     "broken-not-atomic-on-abort": ("NotAtomicOnAbort", INFERENCE),
+    "broken-holds-after-refusal": ("HoldsAfterRefusal", INFERENCE),
     "broken-greedy-sampling": ("GreedySampling", INFERENCE),
     "broken-ignores-top-p": ("IgnoresTopP", INFERENCE),
     "broken-ignores-temperature": ("IgnoresTemperature", INFERENCE),
@@ -854,6 +926,8 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-api-key-opens-control": ("ApiKeyOpensControl", INFERENCE),
     "broken-token-prefix-opens-control": ("TokenPrefixOpensControl", INFERENCE),
     "broken-keeps-stop-string": ("KeepsStopString", INFERENCE),
+    "broken-stop-within-a-token": ("StopWithinAToken", INFERENCE),
+    "broken-includes-the-whole-token": ("IncludesTheWholeToken", INFERENCE),
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
     "broken-repetition-over-output-only": ("RepetitionOverOutputOnly", INFERENCE),

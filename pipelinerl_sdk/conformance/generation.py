@@ -77,6 +77,51 @@ PENALTIES: dict[str, dict[str, float]] = {
 }
 
 
+def edge_stop_strings(tokenizer: Any, ids: list[int], text: str) -> dict[str, tuple[list[str], int | None, int]]:
+    """Stop-string cases from a greedy completion (``ids``, its ``text``): name -> (stop strings,
+    where the text is cut (None: never), index of the token that completes the cut). Chosen where
+    each string first occurs at the intended place; AssertionError (the check cannot run) if the
+    text has no such places."""
+    ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text, "the tokenizer does not decode the greedy text"
+
+    def clean(s: str) -> bool:
+        return bool(s.strip()) and s.isprintable() and "\ufffd" not in s
+
+    def token_of(char: int) -> int:
+        return next(k for k, e in enumerate(ends) if e > char)
+
+    spanning = inside = None
+    for k in range(1, len(ids)):
+        start, end = ends[k - 1], ends[k]
+        before = ends[k - 2] if k >= 2 else 0
+        if spanning is None and start - before >= 2 and end - start >= 2:
+            s = text[start - 2 : start + 2]  # two characters of each of two tokens
+            if clean(s) and text.find(s) == start - 2:
+                spanning = (s, start - 2)
+        if inside is None and start - before >= 1 and end - start >= 3:
+            s = text[start - 1 : start + 1]  # the last character of one token, the first of the next
+            if clean(s) and text.find(s) == start - 1:
+                inside = (s, start - 1)
+    assert spanning and inside, f"the greedy text {text!r} has no stop strings at token edges (ends {ends})"
+    cases: dict[str, tuple[list[str], int | None, int]] = {
+        "spanning two tokens": ([spanning[0]], spanning[1], token_of(spanning[1] + len(spanning[0]) - 1)),
+        "ending inside a token": ([inside[0]], inside[1], token_of(inside[1] + len(inside[0]) - 1)),
+    }
+    (a, at_a), (b, at_b) = sorted([spanning, inside], key=lambda x: x[1] + len(x[0]))
+    if token_of(at_a + len(a) - 1) != token_of(at_b + len(b) - 1):
+        cases["two at once, the later listed first"] = ([b, a], at_a, token_of(at_a + len(a) - 1))
+    never = text[-3:] + "\u2603"
+    if clean(text[-3:]) and never not in text:
+        cases["never completed, its prefix ending the text"] = ([never], None, len(ids) - 1)
+    return cases
+
+
+def stops_hit(stops: list[str], text: str, at: int) -> str:
+    """The stop string of ``stops`` that occurs in ``text`` at ``at``."""
+    return next(s for s in stops if text.startswith(s, at))
+
+
 def retokenized_apart(tokenizer: Any, vocab_size: int) -> list[int]:
     """Token ids whose text encodes to other ids: a few ordinary tokens, then a word of the
     vocabulary spelled one character per token (its text encodes to the word's own token). No
@@ -155,6 +200,50 @@ class GenerationChecks:
                 f"stop={stop!r} with include_stop_str_in_output: text {kept.message.content!r}, expected "
                 f"{text[: at + len(stop)]!r}"
             )
+
+        arun(body)
+
+    @pytest.mark.requires("stop_strings")
+    def test_stop_strings_at_token_edges(self, server_under_test: ServerUnderTest) -> None:
+        """Stop strings taken from the server's own greedy text (:func:`edge_stop_strings`): one
+        spanning two tokens, one ending inside a token, both at once (listed late first: the one
+        completed first cuts), and one that never completes but whose prefix ends the text. Each
+        with ``include_stop_str_in_output`` off and on: the text is the greedy text up to the stop
+        string (excluded or included, even inside a token), the tokens up to the one that
+        completed it, finish reason ``stop`` (``length`` for the one never completed); streamed
+        (``streaming`` declared), the same chunk for chunk, no prefix held back at the end. Exact."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(server_under_test.model_dir)
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                full = await _one(client)
+                text, ids = full.message.content, list(full.token_ids or [])
+                cases = edge_stop_strings(tokenizer, ids, text)
+                for what, (stops, at, end_token) in cases.items():
+                    for include in (False, True):
+                        extra = {"stop": stops, "include_stop_str_in_output": include}
+                        got = await _one(client, **extra)
+                        hit = at is not None
+                        want = text
+                        if at is not None:
+                            want = text[: at + (len(stops_hit(stops, text, at)) if include else 0)]
+                        label = f"{what} {stops!r}, include_stop_str_in_output={include}"
+                        assert got.message.content == want, (
+                            f"{label}: text {got.message.content!r}, vLLM gives {want!r} (full greedy text {text!r})"
+                        )
+                        assert got.finish_reason == ("stop" if hit else "length"), (
+                            f"{label}: finish_reason {got.finish_reason!r}"
+                        )
+                        want_ids = ids[: end_token + 1] if hit else ids
+                        assert got.token_ids == want_ids, (
+                            f"{label}: tokens {got.token_ids}, expected up to the one completing the stop string "
+                            f"{want_ids}"
+                        )
+                        if server_under_test.capabilities.streaming:
+                            chunks = [c async for c in client.chat_stream({**GREEDY, "messages": PROMPT, **extra})]
+                            check_stream([got], chunks, f"{label}, streamed: ", dtype=server_under_test.dtype)
 
         arun(body)
 

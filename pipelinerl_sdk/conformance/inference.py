@@ -57,6 +57,11 @@ __all__ = [
 ]
 
 
+#: A request right after a refused or called-off update may take this many times the slowest of
+#: ``IDLE_SAMPLES`` idle runs of it (a hold until some timeout takes seconds: 100x and more).
+HOLD_RATIO, IDLE_SAMPLES = 10.0, 5
+
+
 def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any]:
     """A valid ``/request_weight_update`` body for ``info``'s params, with ``changes`` applied
     (the digest follows the changed params when they still parse)."""
@@ -520,6 +525,56 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
                 await mirror.publish(publisher, info.version + 1, info.params)
                 check_against_mirror(await greedy(client, prompt_logprobs=False), mirror, prompt=False)
                 await publisher.close()
+
+        arun(body)
+
+    def test_a_refused_or_called_off_update_holds_no_generation(
+        self, server_under_test: ServerUnderTest, mirror: Mirror
+    ) -> None:
+        """Right after an update refused at validation (a stale version), and right after one
+        called off by the trainer, a short greedy request is served at once: its latency is at
+        most ``HOLD_RATIO`` times the same request's idle latency, measured in the same run (the
+        slowest of ``IDLE_SAMPLES`` sent before)."""
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                publisher = await connect(server_under_test, client)
+                assert publisher.group is not None
+                info = await client.info()
+                if info.version < 1:  # a stale version exists only on a server updated once
+                    await mirror.publish(publisher, 1, info.params)
+                    info = await client.info()
+
+                async def timed() -> float:
+                    t0 = time.perf_counter()
+                    await greedy(client, prompt_logprobs=False, max_tokens=4)
+                    return time.perf_counter() - t0
+
+                await timed()  # warm
+                idle = max([await timed() for _ in range(IDLE_SAMPLES)])
+                headers = {"Authorization": f"Bearer {server_under_test.control_token}"}
+                async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
+                    r = await http.post("/request_weight_update", json=update_body(info, info.version), headers=headers)
+                    assert r.status_code == 409, f"a stale version: {r.status_code} {r.text[:200]}, expected 409"
+                    refused = await timed()
+                plan = BucketPlan.build(info.params, publisher.bucket_bytes)
+                req = WeightUpdateRequest(
+                    version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
+                    plan_digest=plan.digest(), timeout_s=60, group_id=publisher.group.group_id,
+                )  # fmt: skip
+                call = client.request_weight_update(req)
+                await asyncio.wait_for(call.accepted, 30)
+                publisher.group.post_decision(update_key(req.version), go=False, reason="another server refused")
+                with pytest.raises(ServerError):
+                    await asyncio.wait_for(call.final, 30)
+                called_off = await timed()
+                await publisher.close()
+            held = {"a refused update": refused, "a called-off update": called_off}
+            slow = [f"{what}: {t * 1e3:.0f} ms = {t / idle:.1f}x" for what, t in held.items() if t > HOLD_RATIO * idle]
+            assert not slow, (
+                f"generation held after {'; after '.join(slow)} the idle latency {idle * 1e3:.0f} ms "
+                f"(the slowest of {IDLE_SAMPLES}; bound {HOLD_RATIO}x)"
+            )
 
         arun(body)
 
