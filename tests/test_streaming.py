@@ -34,12 +34,22 @@ LONG = 4000
 
 
 class CharTokenizer:
-    """A tokenizer whose token ``i`` is the character ``ALPHABET[i]``: decode is exact."""
+    """A tokenizer whose token ``i`` is the character ``ALPHABET[i]``: decode is exact. Its last
+    token stands for a partial UTF-8 character (U+FFFD, as a byte-level tokenizer decodes one)."""
 
-    ALPHABET = "ab c.\n"
+    ALPHABET = "ab c.\n\ufffd"
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.ALPHABET[i] for i in ids)
+
+
+def test_a_partial_character_ending_the_text_is_dropped_as_vllm_drops_it() -> None:
+    """A finished text never ends with U+FFFD (a partial UTF-8 character whose last bytes never
+    came: vLLM's detokenizer drops it); one inside the text stays."""
+    tok = CharTokenizer()
+    rule = StopRule(tok, ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]))  # type: ignore[list-item]
+    ids = [0, 6, 1, 6, 6]  # "a\ufffdb\ufffd\ufffd"
+    assert rule.finish(ids, "length", frozenset()) == ("a\ufffdb", None)
 
 
 def test_held_back_keeps_what_may_begin_a_stop_string() -> None:

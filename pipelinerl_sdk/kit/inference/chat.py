@@ -367,12 +367,14 @@ class StopRule:
     ) -> tuple[str, str | int | None]:
         """(text, stop_reason) of a finished sequence: cut at the earliest stop string; a stop
         token's own text left out unless ``include_stop_str_in_output`` (as vLLM). ``stop_ids``
-        are the ids that ended the request (EOS unless ignored, ``stop_token_ids``)."""
+        are the ids that ended the request (EOS unless ignored, ``stop_token_ids``). A partial
+        UTF-8 character that ends the text (U+FFFD: its last bytes never came) is dropped, as
+        vLLM's detokenizer drops it, so the text never ends with what a stream holds back."""
         ids = list(token_ids)
         if finish_reason == "stop" and ids and ids[-1] in stop_ids:
-            text = self.decode(ids if self.include else ids[:-1])
+            text = self.decode(ids if self.include else ids[:-1]).rstrip("\ufffd")
             return text, ids[-1] if ids[-1] in self.stop_token_ids else None
-        return self.cut(self.decode(ids))
+        return self.cut(self.decode(ids).rstrip("\ufffd"))
 
     def cut(self, text: str) -> tuple[str, str | None]:
         """(``text`` cut at its earliest stop string, that stop string); ``(text, None)`` if
