@@ -56,7 +56,8 @@ class InferenceCapabilities:
     prompt_logprobs: bool = False
     top_logprobs: bool = False
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
-    #: ``stop`` strings cut the text as vLLM does (before the stop string, the token kept).
+    #: ``stop`` strings cut the text as vLLM does (before the stop string, the token kept), and
+    #: ``stop_token_ids`` end a completion as vLLM does (with ``ignore_eos`` too).
     stop_strings: bool = False
     #: ``logit_bias`` is added to the logits before sampling (greedy included).
     logit_bias: bool = False

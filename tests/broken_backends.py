@@ -649,6 +649,17 @@ class IncludesTheWholeToken(ReferenceInferenceBackend):
         return out
 
 
+class IgnoreEosIgnoresStopTokens(ReferenceInferenceBackend):
+    """With ``ignore_eos``, ignores ``stop_token_ids`` too (an engine that keeps them in its EOS
+    set): vLLM's ``ignore_eos`` ignores end-of-sequence only.
+
+    Caught by ``test_stop_token_ids_end_as_vllm``: "ignore_eos=True, include=False: tokens"."""
+
+    def _sampling(self, plan: ChatPlan, req: SamplingRequest, i: int) -> SamplingParams:
+        params = super()._sampling(plan, req, i)
+        return dataclasses.replace(params, stop_token_ids=()) if req.ignore_eos else params  # the bug
+
+
 class IgnoresLogitBias(ReferenceInferenceBackend):
     """Accepts ``logit_bias`` and drops it before the engine (an adapter that forgets to map it).
 
@@ -927,6 +938,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-token-prefix-opens-control": ("TokenPrefixOpensControl", INFERENCE),
     "broken-keeps-stop-string": ("KeepsStopString", INFERENCE),
     "broken-stop-within-a-token": ("StopWithinAToken", INFERENCE),
+    "broken-ignore-eos-ignores-stop-tokens": ("IgnoreEosIgnoresStopTokens", INFERENCE),
     "broken-includes-the-whole-token": ("IncludesTheWholeToken", INFERENCE),
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),

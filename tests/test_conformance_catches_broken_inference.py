@@ -212,6 +212,11 @@ EXPECTED: dict[str, Expectation] = {
         "test_stop_strings_at_token_edges",
         "ending inside a token",
     ),
+    "broken-ignore-eos-ignores-stop-tokens": Expectation(
+        "test_stop_token_ids_end_as_vllm",
+        "test_stop_token_ids_end_as_vllm",
+        "ignore_eos=True, include=False: tokens",
+    ),
     "broken-ignores-logit-bias": Expectation(
         "test_logit_bias_forces_a_token",
         "test_logit_bias_forces_a_token",

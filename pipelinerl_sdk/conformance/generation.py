@@ -251,6 +251,47 @@ class GenerationChecks:
 
         arun(body)
 
+    @pytest.mark.requires("stop_strings")
+    def test_stop_token_ids_end_as_vllm(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """``stop_token_ids`` holding a token of the greedy path (its first occurrence, past the
+        first three tokens, before any end-of-sequence) ends the completion on that token, with
+        ``ignore_eos`` and without (vLLM: ``ignore_eos`` ignores only end-of-sequence): the token
+        is kept in the token ids, finish reason ``stop``, ``stop_reason`` the token id, and the
+        text is the text before the token (with ``include_stop_str_in_output``, through it);
+        streamed (``streaming`` declared), the same. Exact."""
+        eos = {mirror.model.config.eos_token_id, mirror.model.generation_config.eos_token_id} - {None}
+
+        async def body() -> None:
+            async with server_under_test.client() as client:
+                ids = list((await _one(client)).token_ids or [])
+                ends = [i for i, t in enumerate(ids) if t in eos]
+                k = next(
+                    (j for j in range(3, min(ends or [len(ids)])) if ids[j] not in ids[:j]),
+                    None,
+                )
+                if k is None:
+                    pytest.skip(f"the greedy path {ids} has no new token past the third before end-of-sequence")
+                before = (await _one(client, max_tokens=k)).message.content
+                through = (await _one(client, max_tokens=k + 1)).message.content
+                for ignore_eos in (True, False):
+                    for include in (False, True):
+                        extra = {"stop_token_ids": [ids[k]], "ignore_eos": ignore_eos}
+                        got = await _one(client, **extra, include_stop_str_in_output=include)
+                        label = f"stop_token_ids=[{ids[k]}] (token {k}), ignore_eos={ignore_eos}, include={include}"
+                        want_ids = ids[: k + 1]
+                        assert got.token_ids == want_ids, f"{label}: tokens {got.token_ids}, expected {want_ids}"
+                        assert (got.finish_reason, got.stop_reason) == ("stop", ids[k]), (
+                            f"{label}: finish_reason {got.finish_reason!r}, stop_reason {got.stop_reason!r}"
+                        )
+                        want = through if include else before
+                        assert got.message.content == want, f"{label}: text {got.message.content!r}, expected {want!r}"
+                        if server_under_test.capabilities.streaming:
+                            streamed = {**GREEDY, "messages": PROMPT, **extra, "include_stop_str_in_output": include}
+                            chunks = [c async for c in client.chat_stream(streamed)]
+                            check_stream([got], chunks, f"{label}, streamed: ", dtype=server_under_test.dtype)
+
+        arun(body)
+
     @pytest.mark.requires("logit_bias")
     def test_logit_bias_forces_a_token(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
         """``logit_bias`` +100 on a token the model does not favour makes it every sampled

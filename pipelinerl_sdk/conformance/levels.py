@@ -45,7 +45,7 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement("prompt_logprobs", "prompt logprobs are compared too (the loop uses completion ones)", loop=False),
         Requirement("top_logprobs", "top-k alternatives are compared (the loop does not use them)", loop=False),
         Requirement("world_size:2", "the trainer runs on 2 ranks (a loop may train on one)", loop=False),
-        Requirement("stop_strings", "stop strings cut the text (the loop stops on end-of-sequence)", loop=False),
+        Requirement("stop_strings", "stop strings and stop token ids end the text (the loop stops on eos)", loop=False),
         Requirement("logit_bias", "logit_bias reaches the sampler (the loop does not bias)", loop=False),
         Requirement("penalties", "penalties reach the sampler (the loop samples the raw model)", loop=False),
         Requirement(

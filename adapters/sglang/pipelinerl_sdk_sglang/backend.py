@@ -48,6 +48,7 @@ from pipelinerl_sdk.kit.inference import KitBackend, UpdateSteps
 from pipelinerl_sdk.kit.inference.chat import (
     ChatPlan,
     FinishReason,
+    StopRule,
     assemble_choice,
     assemble_response,
     plan_chat,
@@ -692,10 +693,18 @@ class SGLangInferenceBackend(KitBackend):
         if finish is None:
             raise RuntimeError(f"SGLang's output of {meta.get('id')} carries no finish reason")
         logprobs, tops = _token_logprobs(meta, req, plan.top, 0, len(token_ids))
+        text = str(out.get("text", ""))
+        versions = _spans_to_versions(meta, len(token_ids))
+        k = _stop_token_at(token_ids, req)
+        if k is not None:  # SGLang ran past a stop token under ignore_eos: vLLM stops there
+            token_ids, versions, logprobs = token_ids[: k + 1], versions[: k + 1], logprobs[: k + 1]
+            tops = None if tops is None else tops[: k + 1]
+            finish, stop_reason = "stop", token_ids[k]
+            text, _ = StopRule(self.tokenizer, req).finish(token_ids, "stop", frozenset(req.stop_token_ids or ()))
         return {
-            "text": str(out.get("text", "")),
+            "text": text,
             "token_ids": token_ids,
-            "versions": _spans_to_versions(meta, len(token_ids)),
+            "versions": versions,
             "finish_reason": finish,
             "stop_reason": stop_reason,
             "logprobs": logprobs,
@@ -756,9 +765,13 @@ class SGLangInferenceBackend(KitBackend):
                     done = total
                     if not ids and finish is None:
                         continue
+                    k = _stop_token_at(ids, req)
+                    if k is not None:  # a stop token SGLang ignores under ignore_eos: vLLM stops on it
+                        ids, versions, logprobs = ids[: k + 1], versions[: k + 1], (logprobs or [])[: k + 1]
+                        tops, finish = (tops or [])[: k + 1], "stop"
                     yield TokenStep(ids, logprobs or [0.0] * len(ids), versions, tops or (), finish)
                     if finish is not None:
-                        return
+                        return  # a sample cut here is still running in SGLang: the finally aborts it
         finally:
             if not finished:  # closed early (the client left) or failed: SGLang stops the sample
                 task = asyncio.ensure_future(self._abort(rid))
@@ -772,6 +785,16 @@ class SGLangInferenceBackend(KitBackend):
             await self.sglang.abort(rid)
         except (SGLangError, httpx.HTTPError, PluginError) as e:
             log.warning("aborting SGLang request %s failed: %s", rid, e)
+
+
+def _stop_token_at(ids: list[int], req: wire.SamplingRequest) -> int | None:
+    """Where ``ids`` first hold one of ``req``'s ``stop_token_ids`` when it also asks
+    ``ignore_eos`` (SGLang 0.5.23 then ignores its stop token ids as well; vLLM ignores only
+    end-of-sequence), else None."""
+    if not (req.ignore_eos and req.stop_token_ids):
+        return None
+    stops = set(req.stop_token_ids)
+    return next((j for j, t in enumerate(ids) if t in stops), None)
 
 
 def _wants_logprobs(req: wire.SamplingRequest) -> bool:
