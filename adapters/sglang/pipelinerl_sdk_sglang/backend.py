@@ -693,7 +693,9 @@ class SGLangInferenceBackend(KitBackend):
         if finish is None:
             raise RuntimeError(f"SGLang's output of {meta.get('id')} carries no finish reason")
         logprobs, tops = _token_logprobs(meta, req, plan.top, 0, len(token_ids))
-        text = str(out.get("text", ""))
+        # a partial UTF-8 character ending SGLang's text (U+FFFD) is dropped, as vLLM and the kit's
+        # stream drop it: streamed and non-streamed texts stay equal
+        text = str(out.get("text", "")).rstrip("\ufffd")
         versions = _spans_to_versions(meta, len(token_ids))
         k = _stop_token_at(token_ids, req)
         if k is not None:  # SGLang ran past a stop token under ignore_eos: vLLM stops there
