@@ -373,31 +373,44 @@ def _parse_junit(path: Path) -> tuple[Outcome, ...]:
 
 
 class Runs:
-    """Child runs of this module, each started once; the ``SLOW`` ones start at module start."""
+    """Child runs of this module, each started once; the ``SLOW`` ones start at module start.
+    Broken backends caught by the same selection share one child run (one pytest, one model
+    build; a server per backend), started for the first of them asked for among those selected."""
 
     def __init__(self, workdir: Path, selected: set[str]) -> None:
         self._workdir = workdir
+        self._selected = selected
         self._pending: dict[str, _Pending] = {}
         self._done: dict[str, ChildRun] = {}
         for name in SLOW:
             if name in selected:
                 self._start(name)
 
+    def _group(self, backend: str) -> tuple[str, ...]:
+        """``backend`` and the other selected backends with its selection, in EXPECTED's order."""
+        select = EXPECTED[backend].select
+        return tuple(b for b, e in EXPECTED.items() if e.select == select and (b == backend or b in self._selected))
+
     def _start(self, backend: str) -> _Pending:
+        group = self._group(backend)
         d = self._workdir / backend
         d.mkdir()
-        pending = _Pending((backend,), EXPECTED[backend].select, d)
-        self._pending[backend] = pending
+        pending = _Pending(group, EXPECTED[backend].select, d)
+        for b in group:
+            self._pending[b] = pending
         return pending
 
     def get(self, backend: str) -> ChildRun:
         if backend not in self._done:
             pending = self._pending.get(backend) or self._start(backend)
-            self._done[backend] = pending.result()
+            run = pending.result()
+            for b, p in self._pending.items():
+                if p is pending:
+                    self._done[b] = run
         return self._done[backend]
 
     def close(self) -> None:
-        for p in self._pending.values():
+        for p in set(self._pending.values()):
             p.cancel()
 
 
