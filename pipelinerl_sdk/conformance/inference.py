@@ -41,8 +41,10 @@ from pipelinerl_sdk.conformance.structured import StructuredOutputChecks
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.conformance.versions import VersionTagChecks
 from pipelinerl_sdk.errors import FanOutError, ServerError
+from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec, ServerInfo, WeightUpdateRequest
 from pipelinerl_sdk.weights.buckets import BucketPlan
+from pipelinerl_sdk.weights.publisher import WeightPublisher
 from pipelinerl_sdk.weights.receive import update_key
 
 __all__ = [
@@ -60,6 +62,25 @@ __all__ = [
 #: A request right after a refused or called-off update may take this many times the slowest of
 #: ``IDLE_SAMPLES`` idle runs of it (a hold until some timeout takes seconds: 100x and more).
 HOLD_RATIO, IDLE_SAMPLES = 10.0, 5
+
+
+async def call_off_update(client: InferenceClient, publisher: WeightPublisher, info: ServerInfo) -> float:
+    """Ask ``info``'s server for the next version, wait until it accepts, then call the update off
+    as a trainer does when another server refused (its ``abort`` decision); the server must then
+    answer an error (ServerError). Returns the seconds from the decision to that answer."""
+    assert publisher.group is not None
+    plan = BucketPlan.build(info.params, publisher.bucket_bytes)
+    req = WeightUpdateRequest(
+        version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
+        plan_digest=plan.digest(), timeout_s=60, group_id=publisher.group.group_id,
+    )  # fmt: skip
+    call = client.request_weight_update(req)
+    await asyncio.wait_for(call.accepted, 30)
+    t0 = time.monotonic()
+    publisher.group.post_decision(update_key(req.version), go=False, reason="another server refused")
+    with pytest.raises(ServerError):
+        await asyncio.wait_for(call.final, 30)
+    return time.monotonic() - t0
 
 
 def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any]:
@@ -501,18 +522,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
                 assert publisher.group is not None
                 info = await client.info()
                 before = await greedy(client, prompt_logprobs=False)
-                plan = BucketPlan.build(info.params, publisher.bucket_bytes)
-                req = WeightUpdateRequest(
-                    version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
-                    plan_digest=plan.digest(), timeout_s=60, group_id=publisher.group.group_id,
-                )  # fmt: skip
-                call = client.request_weight_update(req)
-                await asyncio.wait_for(call.accepted, 30)
-                t0 = time.monotonic()
-                publisher.group.post_decision(update_key(req.version), go=False, reason="another server refused")
-                with pytest.raises(ServerError):
-                    await asyncio.wait_for(call.final, 30)
-                assert time.monotonic() - t0 < 10, "the abort must not wait for a timeout"
+                assert await call_off_update(client, publisher, info) < 10, "the abort must not wait for a timeout"
                 after = await client.info()
                 assert after.version == info.version, f"a called-off update moved the version to {after.version}"
                 assert not after.updating
@@ -557,16 +567,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
                     r = await http.post("/request_weight_update", json=update_body(info, info.version), headers=headers)
                     assert r.status_code == 409, f"a stale version: {r.status_code} {r.text[:200]}, expected 409"
                     refused = await timed()
-                plan = BucketPlan.build(info.params, publisher.bucket_bytes)
-                req = WeightUpdateRequest(
-                    version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
-                    plan_digest=plan.digest(), timeout_s=60, group_id=publisher.group.group_id,
-                )  # fmt: skip
-                call = client.request_weight_update(req)
-                await asyncio.wait_for(call.accepted, 30)
-                publisher.group.post_decision(update_key(req.version), go=False, reason="another server refused")
-                with pytest.raises(ServerError):
-                    await asyncio.wait_for(call.final, 30)
+                await call_off_update(client, publisher, info)
                 called_off = await timed()
                 await publisher.close()
             held = {"a refused update": refused, "a called-off update": called_off}
