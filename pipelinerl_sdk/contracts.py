@@ -59,6 +59,10 @@ class InferenceCapabilities:
     #: ``stop`` strings cut the text as vLLM does (before the stop string, the token kept), and
     #: ``stop_token_ids`` end a completion as vLLM does (with ``ignore_eos`` too).
     stop_strings: bool = False
+    #: ``min_tokens`` holds the end off as vLLM does (stop and end-of-sequence ids masked for that
+    #: many tokens, stop strings counted only past their text); without it a non-zero
+    #: ``min_tokens`` is a 400 naming it (the SDK's router answers it).
+    min_tokens: bool = False
     #: ``logit_bias`` is added to the logits before sampling (greedy included).
     logit_bias: bool = False
     #: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` with vLLM's rules.

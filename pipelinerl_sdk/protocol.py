@@ -381,8 +381,9 @@ class SamplingRequest(BaseModel):
     settings, the stop rule, the extensions. Unknown fields are ignored (as vLLM does); a known
     field a backend cannot honour is a 400 naming it.
 
-    vLLM's extensions: ``return_token_ids``, ``ignore_eos``, ``top_k`` (``None``, 0 or -1: off),
-    ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
+    vLLM's extensions: ``return_token_ids``, ``ignore_eos``, ``min_tokens`` (capability
+    ``min_tokens``: no end before that many tokens, as vLLM: see :attr:`min_tokens`), ``top_k``
+    (``None``, 0 or -1: off), ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
     ``skip_special_tokens``, ``return_tokens_as_token_ids`` (every logprob ``token`` is
     ``token_id:N``) and ``prompt_logprobs`` (``N``: each prompt token's logprob given its prefix
     with the ``N`` best alternatives; ``true`` counts as 0).
@@ -413,6 +414,11 @@ class SamplingRequest(BaseModel):
     prompt_logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     #: Extension (as in vLLM): generate exactly the token budget, ignoring end-of-sequence.
     ignore_eos: bool = False
+    #: Extension (as in vLLM): the first ``min_tokens`` tokens are never a stop token or an
+    #: end-of-sequence (those ids are masked, ``ignore_eos`` or not), and a stop string counts only
+    #: where it ends past their text. At most the token budget; a backend that does not declare
+    #: capability ``min_tokens`` answers a non-zero value with a 400 naming it.
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None

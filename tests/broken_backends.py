@@ -35,7 +35,7 @@ from pipelinerl_sdk.contracts import (
     validate_update_request,
 )
 from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed, UpdateRejected
-from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
+from pipelinerl_sdk.kit.inference.chat import ChatPlan, StopRule, plan_chat
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 from pipelinerl_sdk.protocol import (
@@ -660,6 +660,33 @@ class IgnoreEosIgnoresStopTokens(ReferenceInferenceBackend):
         return dataclasses.replace(params, stop_token_ids=()) if req.ignore_eos else params  # the bug
 
 
+class IgnoresMinTokens(ReferenceInferenceBackend):
+    """Declares ``min_tokens`` and drops it before the engine (an adapter that forgets to map it).
+
+    Caught by ``test_min_tokens_holds_the_end_off``: "ignore_eos=True: stop or end-of-sequence ids"."""
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        return await super().chat_completion(req.model_copy(update={"min_tokens": 0}))  # the bug
+
+
+class MinTokensCountsEarlyStops(ReferenceInferenceBackend):
+    """Masks the stop ids for ``min_tokens`` tokens, but a stop string inside those tokens' text
+    still counts once they are out (SGLang's ``min_new_tokens``: its stop-string check knows no
+    floor; vLLM counts only a stop string that ends past their text).
+
+    Caught by ``test_min_tokens_holds_the_end_off``: "a stop string counts only where it ends past"."""
+
+    def _sampling(self, plan: ChatPlan, req: SamplingRequest, i: int) -> SamplingParams:
+        params = super()._sampling(plan, req, i)
+        if params.stop_check is None:
+            return params
+        blind = StopRule(self.tokenizer, req.model_copy(update={"min_tokens": 0}))  # the bug
+        return dataclasses.replace(params, stop_check=blind.hit)
+
+    def _outcome(self, r: GenerationResult, req: SamplingRequest) -> dict[str, Any]:
+        return super()._outcome(r, req.model_copy(update={"min_tokens": 0}))  # the bug, in the text too
+
+
 class IgnoresLogitBias(ReferenceInferenceBackend):
     """Accepts ``logit_bias`` and drops it before the engine (an adapter that forgets to map it).
 
@@ -940,6 +967,8 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-stop-within-a-token": ("StopWithinAToken", INFERENCE),
     "broken-ignore-eos-ignores-stop-tokens": ("IgnoreEosIgnoresStopTokens", INFERENCE),
     "broken-includes-the-whole-token": ("IncludesTheWholeToken", INFERENCE),
+    "broken-ignores-min-tokens": ("IgnoresMinTokens", INFERENCE),
+    "broken-min-tokens-counts-early-stops": ("MinTokensCountsEarlyStops", INFERENCE),
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
     "broken-repetition-over-output-only": ("RepetitionOverOutputOnly", INFERENCE),

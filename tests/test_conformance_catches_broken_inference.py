@@ -217,6 +217,16 @@ EXPECTED: dict[str, Expectation] = {
         "test_stop_token_ids_end_as_vllm",
         "ignore_eos=True, include=False: tokens",
     ),
+    "broken-ignores-min-tokens": Expectation(
+        "test_min_tokens_holds_the_end_off",
+        "test_min_tokens_holds_the_end_off",
+        "ignore_eos=True: stop or end-of-sequence ids",
+    ),
+    "broken-min-tokens-counts-early-stops": Expectation(
+        "test_min_tokens_holds_the_end_off",
+        "test_min_tokens_holds_the_end_off",
+        "a stop string counts only where it ends past",
+    ),
     "broken-ignores-logit-bias": Expectation(
         "test_logit_bias_forces_a_token",
         "test_logit_bias_forces_a_token",

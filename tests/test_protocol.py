@@ -566,3 +566,30 @@ def test_token_batch_refusals(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as info:
         TokenBatch(**kwargs)
     assert str(info.value) == message
+
+
+def test_min_tokens_is_refused_where_not_declared_or_past_the_budget() -> None:
+    """The router's ``min_tokens`` rule: 0 passes everywhere; a non-zero value on a backend that
+    does not declare it, or above the token budget (``max_completion_tokens`` first, as the
+    budget is read), is an InvalidRequest naming ``min_tokens`` (a 400), never ignored."""
+    from pipelinerl_sdk.errors import InvalidRequest
+    from pipelinerl_sdk.http.server import check_min_tokens
+    from pipelinerl_sdk.protocol import ChatCompletionRequest, CompletionRequest
+
+    msgs: Any = [{"role": "user", "content": "x"}]
+    check_min_tokens(ChatCompletionRequest(messages=msgs), False, "b")
+    check_min_tokens(ChatCompletionRequest(messages=msgs, min_tokens=4, max_tokens=4), True, "b")
+    check_min_tokens(ChatCompletionRequest(messages=msgs, min_tokens=9), True, "b")  # budget: the context
+    refused = [
+        (ChatCompletionRequest(messages=msgs, min_tokens=1), False),
+        (CompletionRequest(prompt="x", min_tokens=2), False),
+        (ChatCompletionRequest(messages=msgs, min_tokens=5, max_tokens=4), True),
+        (ChatCompletionRequest(messages=msgs, min_tokens=5, max_tokens=9, max_completion_tokens=4), True),
+        (CompletionRequest(prompt="x", min_tokens=17), True),  # completions' default budget is 16
+    ]
+    for req, declared in refused:
+        with pytest.raises(InvalidRequest, match="min_tokens") as err:
+            check_min_tokens(req, declared, "b")
+        assert err.value.field == "min_tokens"
+    with pytest.raises(ValidationError, match="min_tokens"):
+        ChatCompletionRequest(messages=msgs, min_tokens=-1)

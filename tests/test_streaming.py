@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from pipelinerl_sdk.conformance.generation import vllm_stop_cut
 from pipelinerl_sdk.kit.inference.chat import StopRule
 from pipelinerl_sdk.kit.inference.stream import TextStream, TokenStep, held_back
 from pipelinerl_sdk.launch import ServerProcess
@@ -65,18 +66,21 @@ def test_held_back_keeps_what_may_begin_a_stop_string() -> None:
     stops=st.lists(st.text(alphabet=CharTokenizer.ALPHABET, min_size=1, max_size=3), max_size=3),
     include=st.booleans(),
     cuts=st.lists(st.integers(1, 4), min_size=1, max_size=30),
+    min_tokens=st.integers(0, 6),
 )
 def test_streamed_text_adds_up_to_the_non_streamed_text(
-    ids: list[int], stops: list[str], include: bool, cuts: list[int]
+    ids: list[int], stops: list[str], include: bool, cuts: list[int], min_tokens: int
 ) -> None:
     """However the tokens are grouped into steps, the released deltas concatenate to what the
     non-streamed rule gives for the tokens up to the first stop (the engine stops there), and
-    no delta ever holds a stop string's text that the final text leaves out."""
+    no delta ever holds a stop string's text that the final text leaves out (``min_tokens``
+    included: a stop string inside the first tokens' text is streamed, not cut)."""
     tok = CharTokenizer()
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}],  # type: ignore[list-item]
         stop=stops or None,
         include_stop_str_in_output=include,
+        min_tokens=min_tokens,
     )
     rule = StopRule(tok, req)
     end = next((k for k in range(1, len(ids) + 1) if rule.hit(ids[:k])), len(ids))  # the engine's stop
@@ -94,6 +98,35 @@ def test_streamed_text_adds_up_to_the_non_streamed_text(
         assert expected.startswith("".join(out)), (out, expected)
         at += n
     assert "".join(out) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, len(CharTokenizer.ALPHABET) - 2), min_size=1, max_size=30),
+    stops=st.lists(st.text(alphabet=CharTokenizer.ALPHABET[:-1], min_size=1, max_size=3), min_size=1, max_size=3),
+    min_tokens=st.integers(0, 8),
+)
+@example(ids=[0, 1, 3], stops=["c", "bc"], min_tokens=0)  # both end on "c": the first listed cuts ("ab")
+@example(ids=[3, 0, 3, 0], stops=["c"], min_tokens=1)  # the first "c" is inside the first token: the second cuts
+def test_the_stop_rule_is_vllms(ids: list[int], stops: list[str], min_tokens: int) -> None:
+    """The kit's stop rule (where the engine stops, the text it keeps) equals the conformance
+    suite's independent model of vLLM 0.32's detokenizer (:func:`vllm_stop_cut`): the stop string
+    that ends first cuts (ties: the first listed), and with ``min_tokens`` only one ending past
+    the first ``min_tokens`` tokens' text counts."""
+    tok = CharTokenizer()
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],  # type: ignore[list-item]
+        stop=stops,
+        min_tokens=min_tokens,
+    )
+    rule = StopRule(tok, req)
+    end = next((k for k in range(1, len(ids) + 1) if rule.hit(ids[:k])), None)
+    want = vllm_stop_cut(tok, ids, stops, min_tokens)
+    if want is None:
+        assert end is None and rule.finish(ids, "length", frozenset()) == (tok.decode(ids), None)
+    else:
+        assert end == want[1], (end, want)
+        assert rule.finish(ids[:end], "stop", frozenset())[0] == want[0]
 
 
 # --- a real server --------------------------------------------------------------------------------

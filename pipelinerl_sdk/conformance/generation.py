@@ -26,12 +26,14 @@ the schema. Each is gated on the capability the backend declares.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
-from pipelinerl_sdk.conformance.common import PROMPT, arun
+from pipelinerl_sdk.conformance.common import PROMPT, arun, openai_headers
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.sampling import LOGIT_SLACK
 from pipelinerl_sdk.conformance.structured import TOOLS, no_whitespace
@@ -65,7 +67,7 @@ def stop_string_of(text: str) -> tuple[str, int]:
 GREEDY: dict[str, Any] = {"max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 #: The penalty cases: each penalty alone, then all three together (where their order matters).
-PENALTIES: dict[str, dict[str, float]] = {
+PENALTIES: dict[str, dict[str, Any]] = {
     "presence_penalty=1.5": {"presence_penalty": 1.5},
     "frequency_penalty=0.7": {"frequency_penalty": 0.7},
     "repetition_penalty=1.6": {"repetition_penalty": 1.6},
@@ -155,15 +157,22 @@ def penalised_greedy(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
+    held: Collection[int] = (),
+    min_tokens: int = 0,
 ) -> tuple[list[int], list[float]]:
     """The greedy completion of ``prompt`` under vLLM 0.32's penalty rules on the mirror's weights,
     and at each step the gap between the best two processed logits. vLLM's order: the repetition
     penalty on every token seen in the prompt or the output (a positive logit divided by it, any
     other multiplied), then ``frequency_penalty`` times each token's count in the output and
-    ``presence_penalty`` once per token in the output subtracted; greedy is their argmax."""
+    ``presence_penalty`` once per token in the output subtracted; greedy is their argmax. The
+    ``held`` ids (vLLM's stop and end-of-sequence ids) are masked while fewer than ``min_tokens``
+    tokens are out."""
     ids, out, gaps = list(prompt), list[int](), list[float]()
+    masked = torch.tensor(sorted(held), dtype=torch.long)
     for _ in range(tokens):
         logits = mirror.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].double()
+        if len(out) < min_tokens and masked.numel():
+            logits[masked] = float("-inf")
         if repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(ids)))
             x = logits[seen]
@@ -177,6 +186,54 @@ def penalised_greedy(
         out.append(tok)
         ids.append(tok)
     return out, gaps
+
+
+def eos_ids(mirror: Mirror) -> set[int]:
+    """The served model's end-of-sequence ids (its config's and its generation config's)."""
+    found: set[int] = set()
+    for eos in (mirror.model.config.eos_token_id, mirror.model.generation_config.eos_token_id):
+        found.update([eos] if isinstance(eos, int) else (eos or []))
+    return found
+
+
+def vllm_stop_cut(tokenizer: Any, ids: list[int], stops: list[str], min_tokens: int) -> tuple[str, int] | None:
+    """Where vLLM 0.32's detokenizer stops the greedy ``ids`` on ``stops`` under ``min_tokens``:
+    (the text before the stop string, the tokens kept), or None where no stop string counts.
+    After each token past the first ``min_tokens`` it looks for stop strings that end in that
+    token's new text; the one ending first cuts (ties: the first listed)."""
+    before = ""
+    for k in range(len(ids)):
+        text = tokenizer.decode(ids[: k + 1], skip_special_tokens=True)
+        if k + 1 > min_tokens:
+            starts = [(i, s, text.find(s, max(0, len(before) - len(s) + 1))) for i, s in enumerate(stops)]
+            found = [(at + len(s), i, at) for i, s, at in starts if at >= 0]
+            if found:
+                return text[: min(found)[2]], k + 1
+        before = text
+    return None
+
+
+def min_tokens_stop_cases(tokenizer: Any, ids: list[int], eos: set[int]) -> list[tuple[str, int]]:
+    """(stop string, ``min_tokens``) cases from a greedy path ``ids``: a two-character string
+    whose first occurrence ends inside token ``min_tokens - 1``, so vLLM does not count it; first
+    one that occurs again further on (vLLM cuts there), then one that does not (no cut). No
+    end-of-sequence id among the first ``min_tokens`` tokens (masking it would change the path)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    again: tuple[str, int] | None = None
+    once: tuple[str, int] | None = None
+    for a in range(len(text) - 2):
+        s = text[a : a + 2]
+        if not (s.strip() and s.isprintable() and "\ufffd" not in s) or text.find(s) != a:
+            continue
+        m = next(k for k, e in enumerate(ends) if e >= a + 2) + 1
+        if not 2 <= m < len(ids) - 2 or eos & set(ids[:m]):
+            continue
+        if vllm_stop_cut(tokenizer, ids, [s], m) is not None:
+            again = again or (s, m)
+        else:
+            once = once or (s, m)
+    return [c for c in (again, once) if c is not None]
 
 
 class GenerationChecks:
@@ -291,6 +348,105 @@ class GenerationChecks:
                             check_stream([got], chunks, f"{label}, streamed: ", dtype=server_under_test.dtype)
 
         arun(body)
+
+    def test_min_tokens_holds_the_end_off(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
+        """``min_tokens`` (vLLM's extension). Declared: greedy with a stop token of the path
+        (``stop_token_ids``, ``ignore_eos`` on and off) and ``min_tokens`` past it, the tokens are
+        the mirror's greedy path with every stop and end-of-sequence id masked for the first
+        ``min_tokens`` tokens, ended at the first of them after (vLLM masks its end-of-sequence
+        ids even under ``ignore_eos``); a stop string whose first occurrence ends inside the first
+        ``min_tokens`` tokens does not count, a later one cuts (:func:`vllm_stop_cut`), streamed
+        the same (``streaming`` declared); ``min_tokens`` above ``max_tokens`` is a 400 naming it.
+        Not declared: any ``min_tokens`` is a 400 naming it, and the server keeps serving. Exact,
+        up to the first near-tie of the mirror's logits."""
+        caps = server_under_test.capabilities
+
+        async def refused(http: httpx.AsyncClient, body: dict[str, Any], why: str) -> None:
+            r = await http.post("/v1/chat/completions", json={"messages": PROMPT, **body})
+            param = r.json().get("error", {}).get("param") if r.status_code == 400 else None
+            assert param == "min_tokens", f"{why}: {body} answered {r.status_code} {r.text[:300]}, not a 400 naming it"
+
+        async def body() -> None:
+            async with httpx.AsyncClient(
+                base_url=server_under_test.url, timeout=120, headers=openai_headers(server_under_test)
+            ) as http:
+                if not caps.min_tokens:
+                    await refused(http, {"max_tokens": 4, "min_tokens": 2}, "min_tokens not declared")
+                    r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
+                    assert r.status_code == 200, f"after the refused min_tokens: {r.status_code} {r.text[:300]}"
+                    return
+                await refused(http, {"max_tokens": 4, "min_tokens": 5}, "min_tokens above max_tokens")
+            async with server_under_test.client() as client:
+                resp = await client.chat({**GREEDY, "messages": PROMPT})
+                base = resp.choices[0]
+                await self._min_tokens_stop_token(client, mirror, base, list(resp.prompt_token_ids or []))
+                if caps.stop_strings:
+                    await self._min_tokens_stop_string(client, server_under_test, base, eos_ids(mirror))
+
+        arun(body)
+
+    @staticmethod
+    async def _min_tokens_stop_token(
+        client: InferenceClient, mirror: Mirror, base: ChatChoice, prompt: list[int]
+    ) -> None:
+        ids, eos = list(base.token_ids or []), eos_ids(mirror)
+        ends = [i for i, t in enumerate(ids) if t in eos]
+        k = next((j for j in range(3, min(ends or [len(ids)])) if ids[j] not in ids[:j]), None)
+        if k is None:
+            pytest.skip(f"the greedy path {ids} has no new token past the third before end-of-sequence")
+        stop, m = ids[k], min(k + 3, TOKENS - 2)
+        assert prompt, "return_token_ids: prompt_token_ids missing"
+        path, gaps = penalised_greedy(mirror, prompt, TOKENS, held={stop, *eos}, min_tokens=m)
+        judged = next((i for i, g in enumerate(gaps) if g < LOGIT_SLACK[mirror.dtype]), TOKENS)
+        for ignore_eos in (True, False):
+            label = f"min_tokens={m}, stop_token_ids=[{stop}] (greedy token {k}), ignore_eos={ignore_eos}"
+            got = await _one(client, stop_token_ids=[stop], ignore_eos=ignore_eos, min_tokens=m)
+            tokens = list(got.token_ids or [])
+            early = [t for t in tokens[:m] if t == stop or t in eos]
+            assert not early, f"{label}: stop or end-of-sequence ids {early} among the first {m} tokens {tokens}"
+            ending = {stop} | (set() if ignore_eos else eos)
+            end = next((i for i in range(m, TOKENS) if path[i] in ending), None)
+            want = path if end is None else path[: end + 1]
+            n = min(judged, len(want))
+            assert tokens[:n] == want[:n], (
+                f"{label}: tokens {tokens}, vLLM's rule gives {want} (the path without min_tokens ends at token {k}: "
+                f"{ids[: k + 1]})"
+            )
+            if judged >= len(want):
+                assert tokens == want, f"{label}: tokens {tokens}, vLLM's rule gives {want}"
+                reason = ("length", None) if end is None else ("stop", stop if want[-1] == stop else None)
+                assert (got.finish_reason, got.stop_reason) == reason, (
+                    f"{label}: finish_reason {got.finish_reason!r}, stop_reason {got.stop_reason!r}, expected {reason}"
+                )
+
+    @staticmethod
+    async def _min_tokens_stop_string(
+        client: InferenceClient, server: ServerUnderTest, base: ChatChoice, eos: set[int]
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
+        ids, text = list(base.token_ids or []), base.message.content
+        cases = min_tokens_stop_cases(tokenizer, ids, eos | ({tokenizer.eos_token_id} - {None}))
+        if not cases:
+            pytest.skip(f"the greedy text {text!r} has no stop string ending inside its first tokens")
+        for stop, m in cases:
+            cut = vllm_stop_cut(tokenizer, ids, [stop], m)
+            want, kept = (text, len(ids)) if cut is None else cut
+            label = f"min_tokens={m}, stop={[stop]!r} (first ending inside token {m - 1})"
+            got = await _one(client, stop=[stop], min_tokens=m)
+            assert got.message.content == want, (
+                f"{label}: text {got.message.content!r}, vLLM gives {want!r} (a stop string counts only where it ends "
+                f"past the first {m} tokens' text; greedy text {text!r})"
+            )
+            assert got.token_ids == ids[:kept], f"{label}: tokens {got.token_ids}, expected {ids[:kept]}"
+            assert got.finish_reason == ("length" if cut is None else "stop"), (
+                f"{label}: finish_reason {got.finish_reason!r}"
+            )
+            if server.capabilities.streaming:
+                chunks = [c async for c in client.chat_stream({**GREEDY, "messages": PROMPT, "stop": [stop],
+                                                               "min_tokens": m})]  # fmt: skip
+                check_stream([got], chunks, f"{label}, streamed: ", dtype=server.dtype)
 
     @pytest.mark.requires("logit_bias")
     def test_logit_bias_forces_a_token(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:

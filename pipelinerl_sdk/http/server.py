@@ -16,6 +16,7 @@ a wrong one; every token is checked before the body is read):
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured; a missing or
   wrong key is 401, as OpenAI answers); ``stream=true`` chat is server-sent events
   (:class:`EventStream`) for a backend that declares ``streaming``, else a 400 naming ``stream``;
+  a non-zero ``min_tokens`` is a 400 naming it unless the backend declares ``min_tokens``;
   ``POST /v1/completions`` (the same key) only for a backend that declares ``completions`` (an
   engine-owned app keeps its own route otherwise: vLLM's, without weight versions).
 
@@ -483,6 +484,7 @@ def build_router(
     ) -> Response:
         if req.model is not None and req.model not in (served, backend.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
+        check_min_tokens(req, backend.capabilities.min_tokens, backend.name)
         return await (stream(req, streamed) if req.stream else generate(req, request, whole))
 
     @router.post("/v1/chat/completions")
@@ -520,6 +522,24 @@ def build_router(
         return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
     return router
+
+
+def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, declared: bool, backend: str) -> None:
+    """InvalidRequest naming ``min_tokens`` when it is set on a backend that does not declare the
+    capability, or above the request's token budget (as vLLM refuses it)."""
+    if not req.min_tokens:
+        return
+    if not declared:
+        raise InvalidRequest(
+            f"min_tokens: the {backend} backend does not hold the end off for a minimum of tokens; send min_tokens=0",
+            field="min_tokens",
+        )
+    budget = req.token_budget
+    if budget is not None and req.min_tokens > budget:
+        raise InvalidRequest(
+            f"min_tokens must be less than or equal to the token budget ({budget}), got {req.min_tokens}",
+            field="min_tokens",
+        )
 
 
 class EventStream(StreamingResponse):

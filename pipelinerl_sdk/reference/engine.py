@@ -62,6 +62,10 @@ class SamplingParams:
     #: Generate exactly ``max_tokens`` (or up to ``max_model_len``): EOS ids do not stop;
     #: ``stop_token_ids`` still do.
     ignore_eos: bool = False
+    #: The first ``min_tokens`` tokens are never a stop token or an EOS id (those ids are masked,
+    #: ``ignore_eos`` or not, as vLLM masks its ``all_stop_token_ids``); ``stop_check`` is not
+    #: asked before more than ``min_tokens`` tokens (it applies the same floor to stop strings).
+    min_tokens: int = 0
     #: Alternatives reported with each prompt logprob (with ``prompt_logprobs``).
     prompt_top: int = 0
     #: ``<= 0``: off.
@@ -99,6 +103,10 @@ class SamplingParams:
             )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", field="min_tokens"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -153,6 +161,8 @@ class _Request:
     future: asyncio.Future[GenerationResult]
     stop_ids: frozenset[int]
     generator: torch.Generator | None
+    #: Masked while fewer than ``params.min_tokens`` tokens are out: every stop and EOS id.
+    held_ids: torch.Tensor | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -373,6 +383,9 @@ class ContinuousBatchingEngine:
             progress=asyncio.Event() if streamed else None,
             constraint=params.constraint() if params.constraint is not None else None,
         )
+        if params.min_tokens:
+            held = sorted(frozenset(params.stop_token_ids) | self._eos_ids)
+            request.held_ids = torch.tensor(held, dtype=torch.long, device=self._device)
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=self._device)
             request.bias = (ids, torch.tensor([b for _, b in params.logit_bias], device=self._device))
@@ -636,7 +649,11 @@ class ContinuousBatchingEngine:
         total = len(request.prompt) + len(request.token_ids)
         if (
             token in request.stop_ids
-            or (params.stop_check is not None and params.stop_check(request.token_ids))
+            or (
+                params.stop_check is not None
+                and len(request.token_ids) > params.min_tokens
+                and params.stop_check(request.token_ids)
+            )
             or (constraint is not None and constraint.done)
         ):
             request.finish_reason = "stop"
@@ -648,8 +665,12 @@ class ContinuousBatchingEngine:
 
     def _process(self, request: _Request, logits: torch.Tensor) -> torch.Tensor:
         """``request``'s fp32 ``logits`` row with its ``logit_bias`` and penalties applied
-        (:func:`~.sampling.process_logits`, vLLM's rules)."""
-        return process_logits(logits, request.prompt, request.token_ids, request.bias, request.params)
+        (:func:`~.sampling.process_logits`, vLLM's rules), its stop and EOS ids masked while
+        fewer than ``min_tokens`` tokens are out."""
+        out = process_logits(logits, request.prompt, request.token_ids, request.bias, request.params)
+        if request.held_ids is not None and len(request.token_ids) < request.params.min_tokens:
+            out[request.held_ids] = float("-inf")
+        return out
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         """One token from the processed fp32 ``logits`` row (:func:`~.sampling.sample`);

@@ -21,12 +21,13 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #:   ``engine_data`` by a subclass of Dynamo's vLLM decode handler (:mod:`.worker`);
 #: - top logprobs from vLLM's sampler (by token id, in ``engine_data``); no prompt logprobs.
 #: - sampling: temperature, top_p, n, seed and max_tokens reach vLLM through Dynamo's frontend;
-#:   stop strings, logit_bias, the penalties, top_k and min_p are refused with a 400 naming them
-#:   (not yet carried through Dynamo's request and checked).
+#:   stop strings, min_tokens, logit_bias, the penalties, top_k and min_p are refused with a 400
+#:   naming them (not yet carried through Dynamo's request and checked; min_tokens by the SDK's router).
 CAPABILITIES = replace(
     full_capabilities("direct", "staged"),
     prompt_logprobs=False,
     stop_strings=False,
+    min_tokens=False,
     logit_bias=False,
     penalties=False,
     sampling_filters=False,

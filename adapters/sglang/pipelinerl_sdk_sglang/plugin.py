@@ -31,8 +31,13 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - no per-request ``seeds``: SGLang takes ``sampling_seed`` but uses it only with
 #:   ``--enable-deterministic-inference``, which needs a GPU attention backend, so on CPU a seeded
 #:   request does not replay (its streams are checked greedy). Declared on a GPU build once checked.
+#: - no ``min_tokens`` (the SDK's router answers it with a 400 naming it): SGLang's
+#:   ``min_new_tokens`` masks the stop and end-of-sequence ids as vLLM does, but its stop strings
+#:   still end a request inside the first ``min_new_tokens`` tokens (vLLM counts only those that
+#:   end past their text).
 CAPABILITIES = replace(
     full_capabilities("staged", "direct"),
+    min_tokens=False,
     logit_bias=False,
     penalties=False,
     seeds=False,

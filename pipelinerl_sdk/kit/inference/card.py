@@ -32,7 +32,7 @@ class _Registry(Protocol):
 
 def full_capabilities(*receive_modes: ReceiveMode) -> InferenceCapabilities:
     """The capabilities of an engine that serves the whole protocol: gloo and NCCL groups,
-    in-flight updates, prompt and top logprobs, float32 and bfloat16, stop strings, ``logit_bias``,
+    in-flight updates, prompt and top logprobs, float32 and bfloat16, stop strings, ``min_tokens``, ``logit_bias``,
     the penalties, ``top_k`` and ``min_p``, and per-request seeds; only the ``receive_modes``
     (``direct``, ``staged``) differ between such engines. Declare less where the engine does less
     (``dataclasses.replace``)."""
@@ -42,6 +42,7 @@ def full_capabilities(*receive_modes: ReceiveMode) -> InferenceCapabilities:
         prompt_logprobs=True,
         top_logprobs=True,
         stop_strings=True,
+        min_tokens=True,
         logit_bias=True,
         penalties=True,
         sampling_filters=True,

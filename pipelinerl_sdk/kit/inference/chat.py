@@ -265,9 +265,11 @@ def prepare_chat(
 
 def sampling_args(plan: ChatPlan, req: SamplingRequest, i: int) -> dict[str, Any]:
     """The sampling values of sample ``i`` of ``req`` under vLLM's names: ``temperature`` and
-    ``top_p`` as the plan computes with, ``top_k`` (0: off), ``min_p``, the three penalties and
-    ``seed`` (``seed + i``: the samples of one seeded request differ, and replay alike)."""
+    ``top_p`` as the plan computes with, ``top_k`` (0: off), ``min_p``, the three penalties,
+    ``min_tokens`` and ``seed`` (``seed + i``: the samples of one seeded request differ, and
+    replay alike)."""
     return {
+        "min_tokens": req.min_tokens,
         "temperature": plan.temperature,
         "top_p": plan.top_p,
         "top_k": req.top_k or 0,
@@ -344,28 +346,48 @@ def versions_from_spans(spans: Iterable[tuple[int, int, int]], n: int, *, engine
 
 class StopRule:
     """vLLM's stop rule over token ids, for engines that give ids only: a sequence stops once its decoded text (with the
-    request's ``skip_special_tokens``) contains a stop string; the text ends before it (after it
-    with ``include_stop_str_in_output``). The token that completed it stays in the token ids."""
+    request's ``skip_special_tokens``) holds a stop string; the text ends before it (after it
+    with ``include_stop_str_in_output``). The token that completed it stays in the token ids.
+    Where several are found, the one that ends first cuts (ties: the first listed), as vLLM. With
+    ``min_tokens``, only a stop string that ends past the text of the first ``min_tokens`` tokens
+    counts, and none before more than ``min_tokens`` tokens (vLLM's detokenizer)."""
 
     def __init__(self, tokenizer: Any, req: SamplingRequest) -> None:
         self.tokenizer, self.stops = tokenizer, req.stop_strings
         self.skip_special, self.include = req.skip_special_tokens, req.include_stop_str_in_output
         self.stop_token_ids = frozenset(req.stop_token_ids or ())
+        self.min_tokens = req.min_tokens
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special))
 
+    def floor(self, token_ids: Sequence[int]) -> int | None:
+        """Where a stop string must end past: the length of the first ``min_tokens`` tokens'
+        text (its partial last character not yet counted, as vLLM's detokenizer has not emitted
+        it); None while ``token_ids`` are not more than ``min_tokens`` (no stop string counts yet)."""
+        if len(token_ids) <= self.min_tokens:
+            return None
+        return len(self.decode(token_ids[: self.min_tokens]).rstrip("\ufffd")) if self.min_tokens else 0
+
     def hit(self, token_ids: Sequence[int]) -> bool:
-        """Whether the text of ``token_ids`` holds a stop string (checked after every token)."""
-        if not self.stops:
-            return False
-        text = self.decode(token_ids)
-        return any(s in text for s in self.stops)
+        """Whether the text of ``token_ids`` holds a stop string that counts (checked after every token)."""
+        floor = self.floor(token_ids) if self.stops else None
+        return floor is not None and self.find(self.decode(token_ids), floor) is not None
+
+    def find(self, text: str, floor: int = 0) -> tuple[int, str] | None:
+        """(where, which) of the stop string in ``text`` that ends first past ``floor`` (ties: the
+        first listed); None if none does."""
+        best: tuple[int, int, str] | None = None
+        for s in self.stops:
+            at = text.find(s, max(0, floor - len(s) + 1))
+            if at >= 0 and (best is None or at + len(s) < best[0]):
+                best = (at + len(s), at, s)
+        return None if best is None else (best[1], best[2])
 
     def finish(
         self, token_ids: Sequence[int], finish_reason: FinishReason, stop_ids: frozenset[int]
     ) -> tuple[str, str | int | None]:
-        """(text, stop_reason) of a finished sequence: cut at the earliest stop string; a stop
+        """(text, stop_reason) of a finished sequence: cut at the stop string that counts; a stop
         token's own text left out unless ``include_stop_str_in_output`` (as vLLM). ``stop_ids``
         are the ids that ended the request (EOS unless ignored, ``stop_token_ids``). A partial
         UTF-8 character that ends the text (U+FFFD: its last bytes never came) is dropped, as
@@ -374,15 +396,15 @@ class StopRule:
         if finish_reason == "stop" and ids and ids[-1] in stop_ids:
             text = self.decode(ids if self.include else ids[:-1]).rstrip("\ufffd")
             return text, ids[-1] if ids[-1] in self.stop_token_ids else None
-        return self.cut(self.decode(ids).rstrip("\ufffd"))
+        return self.cut(self.decode(ids).rstrip("\ufffd"), self.floor(ids))
 
-    def cut(self, text: str) -> tuple[str, str | None]:
-        """(``text`` cut at its earliest stop string, that stop string); ``(text, None)`` if
-        it holds none."""
-        found = [(text.find(s), s) for s in self.stops if s in text]
-        if not found:
+    def cut(self, text: str, floor: int | None = 0) -> tuple[str, str | None]:
+        """(``text`` cut at the stop string that counts past ``floor`` (:meth:`find`), that stop
+        string); ``(text, None)`` if it holds none. ``floor`` None: none counts yet."""
+        found = None if floor is None else self.find(text, floor)
+        if found is None:
             return text, None
-        at, stop = min(found, key=lambda f: (f[0], -len(f[1])))
+        at, stop = found
         return text[: at + (len(stop) if self.include else 0)], stop
 
 

@@ -75,7 +75,7 @@ class TextStream:
             visible, stop_reason = self.rule.finish(self.ids, step.finish_reason, self.stop_ids)
         else:
             text = self.rule.decode(self.ids)
-            visible, hit = self.rule.cut(text)
+            visible, hit = self.rule.cut(text, self.rule.floor(self.ids))
             if hit is None:
                 visible = text[: len(text) - held_back(text, self.rule.stops)]
         if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
