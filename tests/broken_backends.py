@@ -254,6 +254,25 @@ class StaleStreamVersions(ReferenceInferenceBackend):
         return stale()
 
 
+class WriteTimeStreamVersions(ReferenceInferenceBackend):
+    """Streams each chunk's tokens tagged with the version live when the chunk is written (a
+    streaming path that reads the server's current version as it serialises): right while the
+    client keeps up, wrong for tokens that waited in the server across an update (a slow reader).
+
+    Caught by ``test_streamed_version_tags_are_true``: "a version tag lies"."""
+
+    async def chat_completion_stream(self, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        chunks = await super().chat_completion_stream(req)
+
+        async def written() -> AsyncIterator[ChatCompletionChunk]:
+            async for chunk in chunks:  # pulled when the previous chunk has gone to the socket
+                parts = [p.model_copy(update={"weight_versions": [self.version] * len(p.weight_versions)})
+                         for p in chunk.choices]  # fmt: skip
+                yield chunk.model_copy(update={"choices": parts})  # the bug
+
+        return written()
+
+
 class _GreedyEngine(ContinuousBatchingEngine):
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         return int(torch.argmax(logits))  # the bug: temperature and top_p never reach the sampler
@@ -944,6 +963,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-accepts-unknown-names": ("AcceptsUnknownNames", INFERENCE),
     "broken-stale-versions": ("StaleVersions", INFERENCE),
     "broken-stale-stream-versions": ("StaleStreamVersions", INFERENCE),
+    "broken-write-time-stream-versions": ("WriteTimeStreamVersions", INFERENCE),
     "broken-temperature-logprobs": ("TemperatureLogprobs", INFERENCE),
     "broken-not-atomic-on-abort": ("NotAtomicOnAbort", INFERENCE),
     "broken-holds-after-refusal": ("HoldsAfterRefusal", INFERENCE),

@@ -97,6 +97,11 @@ EXPECTED: dict[str, Expectation] = {
         "test_streamed_version_tags_are_true",
         "a version tag lies",
     ),
+    "broken-write-time-stream-versions": Expectation(
+        "test_streamed_version_tags_are_true",
+        "test_streamed_version_tags_are_true",
+        "a version tag lies",
+    ),
     "broken-accepts-unknown-names": Expectation(
         "test_bad_updates_are_refused_before_any_receive",
         "test_bad_updates_are_refused_before_any_receive",

@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
-from pipelinerl_sdk.conformance.common import PROMPT, Timeline, arun, connect, open_connections, retry_budgets
+from pipelinerl_sdk.conformance.common import (
+    PROMPT,
+    Timeline,
+    arun,
+    connect,
+    open_connections,
+    openai_headers,
+    retry_budgets,
+)
 from pipelinerl_sdk.conformance.mirror import TOLERANCES, Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.protocol import (
     AssistantMessage,
     ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionResponse,
     ChoiceLogprobs,
     ChunkChoice,
@@ -69,6 +84,129 @@ def judge_tags(
         f"{tags[j]} give {float(kept[j]):.4f} (KV kept across updates) or {float(fresh[j]):.4f} (KV recomputed); "
         f"on the whole sequence ({', '.join(others)}); tags {_spans(tags)}: {msg}"
     )
+
+
+#: Choices of the slowly read stream: many tokens per engine step, so its bytes outgrow the buffers
+#: between engine and client in a few hundred steps.
+SLOW_N = 32
+#: The slow client's socket receive buffer.
+SLOW_RCVBUF = 1 << 16
+#: User-space buffering assumed between an engine and the socket (asyncio's write buffer, an HTTP
+#: server's, a frontend's), past the kernel's.
+USER_BUFFERS = 1 << 20
+#: Tokens (of the first choice) the slow client reads at its own pace first, to time the engine.
+PROBE_TOKENS = 8
+#: Token budget of the slowly read stream (it is closed once read far enough).
+SLOW_BUDGET = 1024
+
+
+def stream_buffering() -> int:
+    """Bytes the buffers between a server's engine and a client that does not read may hold: the
+    largest TCP send buffer (Linux's ``tcp_wmem`` maximum; 4 MiB where unreadable), twice the
+    client's receive buffer (the kernel doubles it), and :data:`USER_BUFFERS`."""
+    try:
+        wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        wmem = 4 << 20
+    return wmem + 2 * SLOW_RCVBUF + USER_BUFFERS
+
+
+class SlowReader:
+    """A streamed chat read only when asked: each chunk with its size on the wire and whether it
+    was read after the update went live (``live``, set by the caller). Closing it closes the
+    stream (the server aborts the request)."""
+
+    def __init__(self, sut: ServerUnderTest, body: dict[str, Any]) -> None:
+        transport = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)])
+        self._http = httpx.AsyncClient(base_url=sut.url, transport=transport, timeout=600, headers=openai_headers(sut))
+        self._body = body
+        self._stack = contextlib.AsyncExitStack()
+        self._lines: AsyncIterator[str] | None = None
+        self.live = False
+        self.prompt: list[int] = []
+        #: (part, bytes of its chunk's line shared by its parts, read after the update)
+        self.parts: list[tuple[ChunkChoice, float, bool]] = []
+        self._times: list[float] = []  # arrival of each of the first choice's token-bearing parts
+        self._first_bytes = 0.0  # bytes read while timing
+        self._first_tokens = 0
+
+    async def __aenter__(self) -> SlowReader:
+        await self._stack.enter_async_context(self._http)
+        resp = await self._stack.enter_async_context(self._http.stream("POST", "/v1/chat/completions", json=self._body))
+        if resp.status_code != 200:
+            await resp.aread()
+            raise AssertionError(f"the streamed request was refused: {resp.status_code} {resp.text[:300]}")
+        self._lines = resp.aiter_lines()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _next(self) -> bool:
+        """Read one chunk; False at the stream's end."""
+        assert self._lines is not None
+        async for line in self._lines:
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return False
+            assert not line.startswith('data: {"error"'), f"the stream sent an error: {line[:300]}"
+            chunk = ChatCompletionChunk.model_validate_json(line[6:])
+            self.prompt = self.prompt or list(chunk.prompt_token_ids or [])
+            share = (len(line) + 2) / max(1, len(chunk.choices))
+            for part in chunk.choices:
+                self.parts.append((part, share, self.live))
+                if part.index == 0 and part.token_ids and len(self._times) < PROBE_TOKENS:
+                    self._times.append(time.perf_counter())
+                    self._first_tokens += len(part.token_ids)
+            if len(self._times) < PROBE_TOKENS:
+                self._first_bytes += len(line) + 2
+            return True
+        return False
+
+    async def read_tokens(self, k: int) -> int:
+        """Read until the first choice has ``k`` token-bearing parts (or the stream ends); their
+        tokens."""
+        while len(self._times) < k and await self._next():
+            pass
+        return self._first_tokens
+
+    async def read_until(self, done: Callable[[list[int]], bool]) -> None:
+        """Read until ``done(the first choice's versions so far)`` or the stream's end."""
+        while not done([v for p, _, _ in self.parts if p.index == 0 for v in p.weight_versions]):
+            if not await self._next():
+                return
+
+    def rate(self) -> float:
+        """The first choice's tokens per second while read at once."""
+        span = self._times[-1] - self._times[0] if len(self._times) > 1 else 0.0
+        return max(1.0, (self._first_tokens - 1) / span) if span > 0 else 1000.0
+
+    def bytes_per_token(self) -> float:
+        """Stream bytes per token of the first choice (every choice's share) while timed."""
+        return max(1.0, self._first_bytes / max(1, self._first_tokens))
+
+    def waited(self, version: int) -> int:
+        """Bytes of chunks carrying ``version``'s tokens that were read after the update went live."""
+        return int(sum(size for p, size, after in self.parts if after and version in p.weight_versions))
+
+    def choices(self) -> list[ChatChoice]:
+        """Each choice as read so far (its parts put together), by index."""
+        out = []
+        for i in sorted({p.index for p, _, _ in self.parts}):
+            mine = [p for p, _, _ in self.parts if p.index == i]
+            lps = [t for p in mine for t in (p.logprobs.content if p.logprobs else [])]
+            out.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content="".join(p.delta.content or "" for p in mine)),
+                    finish_reason=mine[-1].finish_reason or "length",
+                    token_ids=[t for p in mine for t in p.token_ids or []],
+                    logprobs=ChoiceLogprobs(content=lps),
+                    weight_versions=[v for p in mine for v in p.weight_versions],
+                )
+            )
+        return out
 
 
 async def room_left(sut: ServerUnderTest) -> int:
@@ -182,16 +320,22 @@ class VersionTagChecks:
 
     @pytest.mark.requires("streaming", "in_flight_updates")
     def test_streamed_version_tags_are_true(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
-        """A streamed completion running across an update: once its first tokens have arrived
-        (the stream itself says it is running, whatever the scheduler), the trainer publishes
-        the next version; the chunks' tokens, logprobs and weight versions, put together, are
-        replayed against the mirror as in :meth:`test_every_version_tag_is_true` (every tag
-        true, versions never going back), and the streamed tokens carry both versions.
-        Inconclusive runs (the stream ended before the update was live) retry with twice the
-        budget, up to what the context leaves, then twice more at that."""
+        """A streamed completion read by a slow client across an update: the client reads the
+        first tokens (timing them), then stops reading while the engine generates more than every
+        buffer between the engine and the client can hold (:func:`stream_buffering`, ``n``
+        :data:`SLOW_N` choices with top logprobs so few steps suffice), then the trainer publishes
+        the next version, and only then does the client read on. Old-version tokens that waited
+        in the server across the update must keep their version: a token's tag is the version of
+        the weights that computed it, not the one live when its chunk was written. The first
+        choice's tokens, logprobs and versions are replayed against the mirror as in
+        :meth:`test_every_version_tag_is_true` (every tag true, versions never going back); every
+        choice's versions never go back. Inconclusive runs (the stream ended before the update
+        was live, or fewer old-version bytes than the buffers hold arrived after it) retry
+        holding twice as long, twice."""
         timelines: list[str] = []
+        backlog = stream_buffering()
 
-        async def attempt(budget: int) -> tuple[bool, str]:
+        async def attempt(budget: int, hold_factor: float) -> tuple[bool, str]:
             tl = Timeline()
             async with server_under_test.client() as client:
                 publisher = await connect(server_under_test, client)
@@ -201,49 +345,46 @@ class VersionTagChecks:
                 mirror.perturb(seed=start + 1, scale=SCALE)
                 states[start + 1] = mirror.state()
                 mirror.load(states[start])  # the update sends start + 1's weights from the states
-                await open_connections(client, 2)
-                body = {
-                    "messages": PROMPT, "max_tokens": budget, "ignore_eos": True, "temperature": 1.0,
-                    "seed": 11, "logprobs": True, "return_token_ids": True,
+                body: dict[str, Any] = {
+                    "messages": PROMPT, "max_tokens": budget, "n": SLOW_N, "ignore_eos": True, "temperature": 1.0,
+                    "seed": 11, "logprobs": True, "return_token_ids": True, "stream": True,
                 }  # fmt: skip
-                parts: list[ChunkChoice] = []
-                prompt: list[int] = []
-                update: asyncio.Task[None] | None = None
+                if server_under_test.capabilities.top_logprobs:
+                    body["top_logprobs"] = 20
                 tl.mark("ready")
-                async for chunk in client.chat_stream(body):
-                    prompt = prompt or list(chunk.prompt_token_ids or [])
-                    for part in chunk.choices:
-                        parts.append(part)
-                        if update is None and part.token_ids:
-                            tl.mark("first tokens")
-                            mirror.load(states[start + 1])
-                            update = asyncio.create_task(mirror.publish(publisher, start + 1, info.params))
-                tl.mark("stream ended")
-                assert update is not None, "the stream carried no token ids (return_token_ids)"
-                await update
-                tl.mark(f"v{start + 1} live")
+                async with SlowReader(server_under_test, body) as reader:
+                    first = await reader.read_tokens(PROBE_TOKENS)
+                    rate, per_token = reader.rate(), reader.bytes_per_token()
+                    hold = hold_factor * backlog / (per_token * rate)
+                    tl.mark(
+                        f"{first} tokens read ({rate:.0f}/s, {per_token / 1024:.1f} KiB each): reading held {hold:.1f}s"
+                    )
+                    await asyncio.sleep(hold)
+                    mirror.load(states[start + 1])
+                    await mirror.publish(publisher, start + 1, info.params)
+                    reader.live = True
+                    tl.mark(f"v{start + 1} live")
+                    await reader.read_until(lambda tags: tags.count(start + 1) >= TAIL)
+                    tl.mark("read on")
                 await publisher.close()
-            timelines.append(f"{budget} tokens: {tl}")
-            assert prompt, "return_token_ids: the first chunk carries no prompt_token_ids"
-            choice = ChatChoice(
-                index=0,
-                message=AssistantMessage(content="".join(p.delta.content or "" for p in parts)),
-                finish_reason=parts[-1].finish_reason or "length",
-                token_ids=[t for p in parts for t in p.token_ids or []],
-                logprobs=ChoiceLogprobs(content=[t for p in parts for t in (p.logprobs.content if p.logprobs else [])]),
-                weight_versions=[v for p in parts for v in p.weight_versions],
-            )
-            assert len(choice.weight_versions) == len(choice.token_ids or []) == budget, (
-                f"{len(choice.weight_versions)} streamed versions for {len(choice.token_ids or [])} tokens "
-                f"(asked {budget})"
-            )
-            ok, msg = judge_tags(mirror, prompt, choice, states, "the streamed completion")
+            choices = reader.choices()
+            waited = reader.waited(start)
+            timelines.append(f"{budget} tokens, hold x{hold_factor}: {tl}; {waited >> 10} KiB of v{start} after")
+            for c in choices:
+                tags = list(c.weight_versions)
+                assert len(tags) == len(c.token_ids or []), f"choice {c.index}: {len(tags)} versions for its tokens"
+                assert tags == sorted(tags), f"a version tag lies: choice {c.index}: versions go back: {_spans(tags)}"
+            assert reader.prompt, "return_token_ids: the first chunk carries no prompt_token_ids"
+            ok, msg = judge_tags(mirror, reader.prompt, choices[0], states, "the streamed completion (read slowly)")
             assert ok, "a version tag lies: " + msg
-            return len(set(choice.weight_versions)) > 1, ""
+            return len(set(choices[0].weight_versions)) > 1 and waited >= backlog, ""
 
-        room = arun(functools.partial(room_left, server_under_test))
-        for budget in retry_budgets(256, room):
-            crossed, _ = arun(functools.partial(attempt, budget))
-            if crossed:
+        budget = min(SLOW_BUDGET, arun(functools.partial(room_left, server_under_test)))
+        for hold_factor in (1.3, 2.6, 5.2):
+            conclusive, _ = arun(functools.partial(attempt, budget, hold_factor))
+            if conclusive:
                 return
-        pytest.fail("inconclusive: every stream ended before the update was live; " + "; ".join(timelines))
+        pytest.fail(
+            f"inconclusive: no stream had {backlog >> 10} KiB of old-version tokens waiting across the update; "
+            + "; ".join(timelines)
+        )
