@@ -182,6 +182,36 @@ class Bf16DivergingStepTrainer(DivergingStepTrainer):
     capabilities = BF16_ONLY
 
 
+class Bf16PathDivergingTrainer(DivergingStepTrainer):
+    """Declares float32 and bfloat16 and is right in float32, but its bfloat16 path steps at twice
+    the spec's lr (reports the spec's): a separate low-precision optimizer setup. A suite that checks
+    only the preferred dtype passes it. Caught by ``test_step_equals_plain_adamw`` run in
+    bfloat16."""
+
+    def step(self) -> StepMetrics:
+        if self._require()[2].dtype == "bfloat16":
+            return super().step()  # the bug: DivergingStepTrainer's double lr
+        return ReferenceTrainer.step(self)
+
+
+class _Upcast:
+    def __init__(self, inner: WeightSink) -> None:
+        self.inner = inner
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        self.inner.send(name, tensor.float())
+
+
+class Bf16GathersFloat32Trainer(ReferenceTrainer):
+    """Declares float32 and bfloat16; in bfloat16 it gathers float32 copies (a trainer that
+    broadcasts its float32 master weights) while ``param_specs()`` says bfloat16. Caught by
+    ``test_init_loads_the_checkpoint_exactly`` run in bfloat16."""
+
+    def gather_and_broadcast(self, sink: WeightSink | None) -> None:
+        upcast = sink is not None and self._require()[2].dtype == "bfloat16"
+        super().gather_and_broadcast(_Upcast(sink) if upcast and sink is not None else sink)  # the bug
+
+
 class StaleLendTrainer(ReferenceTrainer):
     """The zero-copy path is stale: a sink that can ``lend`` (the SDK's sender, what the pipeline
     hands ``gather_and_broadcast``) is lent a snapshot of the weights taken at ``init``; any other
@@ -240,6 +270,14 @@ CAUGHT_BY: dict[str, tuple[str, str]] = {
         "test_step_equals_plain_adamw",
         "params after two steps vs torch AdamW",
     ),
+    "broken-bf16-path-diverges": (
+        "test_step_equals_plain_adamw",
+        "of the step (> 0.15, bfloat16)",
+    ),
+    "broken-bf16-gathers-float32": (
+        "test_init_loads_the_checkpoint_exactly",
+        "gathered as torch.float32, spec dtype is bfloat16",
+    ),
 }
 #: Backends that must PASS the checks of :data:`CAUGHT_BY` (controls of the twins above).
 CONTROLS = ("reference", "bf16-only", "ws1-only")
@@ -262,6 +300,8 @@ _FACTORIES = {
     "broken-averages-grads": (AveragingTrainer, "averages gradients across ranks instead of summing"),
     "broken-drifting-rank": (DriftingRankTrainer, "rank 1 steps on its local gradient at step 3"),
     "broken-bf16-diverging-step": (Bf16DivergingStepTrainer, "bfloat16 only, AdamW at twice the spec's lr"),
+    "broken-bf16-path-diverges": (Bf16PathDivergingTrainer, "right in float32, twice the lr in bfloat16"),
+    "broken-bf16-gathers-float32": (Bf16GathersFloat32Trainer, "gathers float32 copies when bfloat16"),
     "broken-stale-lend": (StaleLendTrainer, "lends the weights of init to a zero-copy sink"),
     "bf16-only": (Bf16OnlyTrainer, "NOT broken: the reference trainer, bfloat16 only"),
     "ws1-only": (WorldSize1Trainer, "NOT broken: the reference trainer, max_world_size=1"),

@@ -85,6 +85,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "requires(*capabilities): skip unless the backend declares them")
     config.pluginmanager.register(_Recorder(config), "pipelinerl-conformance-recorder")
     config.addinivalue_line("markers", "conformance: a standard check of the pipelinerl-sdk conformance suite")
+    config.addinivalue_line(
+        "markers", "each_dtype: a trainer check run once per dtype the trainer declares (its ``dtype`` parameter)"
+    )
     if config.getoption("--list-backends"):
         from pipelinerl_sdk.cli import main
 
@@ -116,6 +119,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(
             "trainer_target", trainers or [None], ids=[t.id for t in trainers] or ["no-trainer-backend"], scope="module"
         )
+    if "dtype" in metafunc.fixturenames and metafunc.definition.get_closest_marker("each_dtype"):
+        from pipelinerl_sdk.conformance.trainer import CHECK_DTYPES
+
+        metafunc.parametrize("dtype", CHECK_DTYPES)  # the undeclared ones are deselected (_dtype_declared)
 
 
 def _is_standard(cls: type) -> bool:
@@ -205,6 +212,30 @@ def _trainer_of(item: pytest.Item) -> TrainerTarget | None:
     return found
 
 
+def _dtype_declared(item: pytest.Item) -> bool:
+    """Whether an ``each_dtype`` check's dtype is one its trainer declares. A trainer that
+    declares none of the checked dtypes keeps the first (the check then skips, naming what it
+    declares), as does a run with no trainer selected."""
+    from pipelinerl_sdk.conformance.trainer import CHECK_DTYPES
+
+    params: dict[str, Any] = getattr(getattr(item, "callspec", None), "params", {})
+    if "dtype" not in params or item.get_closest_marker("each_dtype") is None:
+        return True
+    target: TrainerTarget | None = params.get("trainer_target")
+    dtype = str(params["dtype"])
+    declared = set(CHECK_DTYPES) & set(target.capabilities.dtypes) if target and target.capabilities else set()
+    if not declared:
+        if dtype == CHECK_DTYPES[0] and target is not None and target.capabilities is not None:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"{target.id} declares dtypes {sorted(target.capabilities.dtypes)}; "
+                    f"the suite checks {CHECK_DTYPES}"
+                )
+            )
+        return dtype == CHECK_DTYPES[0]
+    return dtype in declared
+
+
 def _resolve_requirements(config: pytest.Config, item: pytest.Item) -> None:
     """Skip ``item`` now if its backend does not declare what it ``requires`` (a URL target is
     resolved later, from its ``/info``). ``world_size:N`` is always the trainer's."""
@@ -243,6 +274,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Enforce the override rule; resolve requirements; shuffle if asked (after pytest's own
     grouping of items by module-scoped parameters)."""
     _enforce_xfail_overrides(items)
+    kept = [item for item in items if _dtype_declared(item)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     for item in items:
         _resolve_requirements(config, item)
     seed = config.getoption("--conformance-shuffle")

@@ -23,7 +23,8 @@ in the gradient, so a missing, wrong or local clip moves params by a multiple of
 
 Checks run in the trainer's declared dtype (float32 if it declares it, else its narrowest
 other), with that dtype's tolerances (:data:`TRAINER_TOLERANCES`); the reference model and
-optimizer run in the same dtype.
+optimizer run in the same dtype. The load, gather and step checks (``each_dtype``) run once in
+every dtype of :data:`CHECK_DTYPES` the trainer declares.
 """
 
 from __future__ import annotations
@@ -588,6 +589,7 @@ class TrainerContractTests:
 
     # --- weights in and out ---------------------------------------------------------------------
 
+    @pytest.mark.each_dtype
     def test_init_loads_the_checkpoint_exactly(
         self, trainer_target: TrainerTarget, conformance_model: Path, dtype: str
     ) -> None:
@@ -613,6 +615,7 @@ class TrainerContractTests:
                 f"{name}: values differ from the checkpoint (max |diff| {float((got - want).abs().max()):.3g})"
             )
 
+    @pytest.mark.each_dtype
     def test_gather_yields_hf_names_in_param_specs_order(
         self, trainer_target: TrainerTarget, conformance_model: Path, dtype: str
     ) -> None:
@@ -699,6 +702,7 @@ class TrainerContractTests:
 
     # --- backward and step ----------------------------------------------------------------------
 
+    @pytest.mark.each_dtype
     def test_step_equals_plain_adamw(self, trainer_target: TrainerTarget, conformance_model: Path, dtype: str) -> None:
         """Two rounds of ``backward`` + ``step`` (two different batches, the objective
         :class:`CompletionNLL`) leave every param within 1e-6 (float32; narrower dtypes: the
