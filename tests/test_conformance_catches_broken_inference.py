@@ -388,7 +388,8 @@ def _parse_junit(path: Path) -> tuple[Outcome, ...]:
 
 
 class Runs:
-    """Child runs of this module, each started once; the ``SLOW`` ones start at module start.
+    """Child runs of this module, each started once; the ``SLOW`` ones start at module start, and
+    the next one when one is asked for.
     Broken backends caught by the same selection share one child run (one pytest, one model
     build; a server per backend), started for the first of them asked for among those selected."""
 
@@ -415,9 +416,20 @@ class Runs:
             self._pending[b] = pending
         return pending
 
+    def _start_next(self, after: str) -> None:
+        """Start the first selected backend past ``after`` (in EXPECTED's order) whose run has not
+        started: it builds and runs while ``after``'s is collected (two children at a time: each
+        spends much of its life starting pytest, a model and servers on one core)."""
+        names = list(EXPECTED)
+        for b in names[names.index(after) + 1 :]:
+            if b in self._selected and b not in self._pending:
+                self._start(b)
+                return
+
     def get(self, backend: str) -> ChildRun:
         if backend not in self._done:
             pending = self._pending.get(backend) or self._start(backend)
+            self._start_next(backend)
             run = pending.result()
             for b, p in self._pending.items():
                 if p is pending:

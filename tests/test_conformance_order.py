@@ -10,10 +10,12 @@ Two child runs of the reference backend's inference and stateful checks:
 
 Both must pass every check (the reference backend is correct), none skipped: a check that skips,
 or passes only after another, fails here. Cost bound: the alone run starts one server per check
-(~5-15 s each), so it leaves out the one check that reads nothing but the version from the
-server and runs 30-70 s, ``test_requests_in_flight_survive_updates`` (its timing is calibrated on
-the server it finds), and the state machine (it starts from whatever ``/info`` reports); both run
-in the shuffled run and in the ordered CI run.
+(~5-15 s each), so it leaves out the two checks that read nothing but the version from the
+server and run 30-70 s, ``test_requests_in_flight_survive_updates`` (its timing is calibrated on
+the server it finds) and ``test_streamed_version_tags_are_true`` (it times the server it finds),
+and the state machine (it starts from whatever ``/info`` reports); they run in the shuffled run
+and in the ordered CI run. Both children start when the module does and run side by side (each
+spends most of its time starting servers).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,23 +34,58 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("PIPELINERL_SHUFFLE_SEED", "1"))
 CHILD_TIMEOUT_S = 900
-SLOW_AND_STATELESS = "test_requests_in_flight_survive_updates"
+SLOW_AND_STATELESS = "test_requests_in_flight_survive_updates or test_streamed_version_tags_are_true"
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[tuple[str, str]]]:
-    """(the child, its testcases in execution order as (name, status))."""
-    xml = tmp_path / "r.xml"
-    cmd = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={xml}",
-        "--backend=inference:reference", *args,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    assert xml.is_file(), f"no junit XML (rc {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-    cases = []
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        status = next((t for t in ("failure", "error", "skipped") if case.find(t) is not None), "passed")
-        cases.append((case.get("name", ""), status))
-    return proc, cases
+class _Child:
+    """A child pytest of the reference backend's checks, started now; :meth:`result` waits."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.xml, self._log = workdir / "r.xml", workdir / "out.txt"
+        cmd = [
+            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={self.xml}",
+            "--backend=inference:reference", *args,
+        ]  # fmt: skip
+        with open(self._log, "wb") as log:
+            self._proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> tuple[subprocess.CompletedProcess[str], list[tuple[str, str]]]:
+        """(the child, its testcases in execution order as (name, status))."""
+        try:
+            rc = self._proc.wait(CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+            rc = -9
+        out = self._log.read_text(errors="replace")
+        proc = subprocess.CompletedProcess(self._proc.args, rc, out, "")
+        assert self.xml.is_file(), f"no junit XML (rc {rc}):\n{out[-6000:]}"
+        cases = []
+        for case in ET.parse(self.xml).getroot().iter("testcase"):
+            status = next((t for t in ("failure", "error", "skipped") if case.find(t) is not None), "passed")
+            cases.append((case.get("name", ""), status))
+        return proc, cases
+
+    def cancel(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+FILES = ["conformance/test_inference.py", "conformance/test_stateful.py"]
+ALONE = ["conformance/test_inference.py", "--conformance-fresh-server", "-k", f"not ({SLOW_AND_STATELESS})"]
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Child]]:
+    """The shuffled and the alone runs, started together."""
+    runs = {
+        "shuffled": _Child(tmp_path_factory.mktemp("shuffled"), *FILES, f"--conformance-shuffle={SEED}"),
+        "alone": _Child(tmp_path_factory.mktemp("alone"), *ALONE),
+    }
+    yield runs
+    for child in runs.values():
+        child.cancel()
 
 
 def _collected(*args: str) -> list[str]:
@@ -59,10 +97,9 @@ def _collected(*args: str) -> list[str]:
     return [line.split("::")[-1] for line in proc.stdout.splitlines() if "::" in line]
 
 
-def test_shuffled_on_one_server_every_check_passes(tmp_path: Path) -> None:
-    files = ["conformance/test_inference.py", "conformance/test_stateful.py"]
-    ordered = _collected(*files)
-    proc, cases = _run(tmp_path, *files, f"--conformance-shuffle={SEED}")
+def test_shuffled_on_one_server_every_check_passes(children: dict[str, _Child]) -> None:
+    ordered = _collected(*FILES)
+    proc, cases = children["shuffled"].result()
     names = [n for n, _ in cases]
     assert sorted(names) == sorted(ordered), proc.stdout[-3000:]
     assert names != ordered, f"seed {SEED} did not change the order"
@@ -70,10 +107,8 @@ def test_shuffled_on_one_server_every_check_passes(tmp_path: Path) -> None:
     assert not bad and proc.returncode == 0, f"seed {SEED}: {bad}\n{proc.stdout[-5000:]}"
 
 
-def test_alone_on_a_fresh_server_every_check_passes(tmp_path: Path) -> None:
-    proc, cases = _run(
-        tmp_path, "conformance/test_inference.py", "--conformance-fresh-server", "-k", f"not {SLOW_AND_STATELESS}"
-    )
+def test_alone_on_a_fresh_server_every_check_passes(children: dict[str, _Child]) -> None:
+    proc, cases = children["alone"].result()
     assert len(cases) >= 15, proc.stdout[-3000:]
     bad = [(n, s) for n, s in cases if s != "passed"]
     assert not bad and proc.returncode == 0, f"{bad}\n{proc.stdout[-5000:]}"
