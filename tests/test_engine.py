@@ -310,7 +310,14 @@ def test_stop_conditions_and_validation(model: PreTrainedModel, prompts: list[li
             prompts[4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,))
         )
         assert res.finish_reason == "stop" and len(res.token_ids) == first_stop + 1
+        # min_tokens masks every stop and EOS id (ignore_eos or not, as vLLM) for that many tokens
+        for ignore_eos in (False, True):
+            held = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=ignore_eos, min_tokens=first_stop + 2)
+            res = await engine.generate(prompts[4], held)
+            assert stop_token not in res.token_ids[: first_stop + 2], (ignore_eos, res.token_ids)
+            assert res.token_ids[:first_stop] == greedy[:first_stop] and len(res.token_ids) > first_stop + 1
         for bad_prompt, bad_params in [
+            ([3], SamplingParams(max_tokens=2, min_tokens=3)),
             ([], GREEDY),
             (list(range(3, 35)), GREEDY),
             ([10**6], GREEDY),

@@ -666,10 +666,14 @@ class ContinuousBatchingEngine:
     def _process(self, request: _Request, logits: torch.Tensor) -> torch.Tensor:
         """``request``'s fp32 ``logits`` row with its ``logit_bias`` and penalties applied
         (:func:`~.sampling.process_logits`, vLLM's rules), its stop and EOS ids masked while
-        fewer than ``min_tokens`` tokens are out."""
+        fewer than ``min_tokens`` tokens are out (under a grammar that allows nothing else, not: as
+        vLLM restores them)."""
         out = process_logits(logits, request.prompt, request.token_ids, request.bias, request.params)
         if request.held_ids is not None and len(request.token_ids) < request.params.min_tokens:
+            kept = out[request.held_ids]
             out[request.held_ids] = float("-inf")
+            if request.constraint is not None and bool(torch.isneginf(out).all()):
+                out[request.held_ids] = kept  # the grammar allows only its end: vLLM lets it through
         return out
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
