@@ -86,18 +86,33 @@ def judge_tags(
     )
 
 
-#: Choices of the slowly read stream: many tokens per engine step, so its bytes outgrow the buffers
-#: between engine and client in a few hundred steps.
-SLOW_N = 32
+#: Choices of the slowly read stream: several tokens per engine step, so its bytes outgrow the
+#: buffers between engine and client in a few hundred steps. Not more: at 32 (with 20 top logprobs)
+#: vLLM 0.32's engine core outran its front on 2 CPU cores, and the update's control calls, whose
+#: replies queue behind the outputs, went live only once the stream had ended (nothing crossed).
+SLOW_N = 8
 #: The slow client's socket receive buffer.
 SLOW_RCVBUF = 1 << 16
 #: User-space buffering assumed between an engine and the socket (asyncio's write buffer, an HTTP
 #: server's, a frontend's), past the kernel's.
 USER_BUFFERS = 1 << 20
-#: Tokens (of the first choice) the slow client reads at its own pace first, to time the engine.
-PROBE_TOKENS = 8
-#: Token budget of the slowly read stream (it is closed once read far enough).
-SLOW_BUDGET = 1024
+#: The slow client reads at its own pace first, to time the engine: until the leading choice has
+#: this many tokens and ...
+PROBE_TOKENS = 32
+#: ... at least this long after its first token (an engine that sends several tokens per event, or a
+#: backlog read at once, would otherwise look far faster than it is).
+PROBE_S = 1.0
+#: Token budget of the slowly read stream (the server's context permitting; the stream is closed
+#: once read far enough, so a large budget costs nothing).
+SLOW_BUDGET = 4096
+#: The first hold: this many times what the probe's rate needs to outgrow the buffers.
+FIRST_HOLD = 1.3
+#: Holds tried at most: each after the first halves the bracket (too short: too few bytes waited;
+#: too long: no choice crossed the update), or doubles or quarters the hold while one side is open.
+SLOW_ATTEMPTS = 4
+#: The hold leaves the leading choice at least this share of its remaining budget to generate after
+#: the update (a longer hold would see the stream end before the update).
+HOLD_SHARE = 0.6
 
 
 def stream_buffering() -> int:
@@ -126,9 +141,11 @@ class SlowReader:
         self.prompt: list[int] = []
         #: (part, bytes of its chunk's line shared by its parts, read after the update)
         self.parts: list[tuple[ChunkChoice, float, bool]] = []
-        self._times: list[float] = []  # arrival of each of the first choice's token-bearing parts
-        self._first_bytes = 0.0  # bytes read while timing
-        self._first_tokens = 0
+        self._tokens: dict[int, int] = {}  # tokens read of each choice
+        self._bytes = 0  # bytes read
+        #: (time, leading choice's tokens, bytes) at the first token, and at the probe's end
+        self._start: tuple[float, int, int] | None = None
+        self._probed: tuple[float, int, int] | None = None
 
     async def __aenter__(self) -> SlowReader:
         await self._stack.enter_async_context(self._http)
@@ -154,37 +171,51 @@ class SlowReader:
             chunk = ChatCompletionChunk.model_validate_json(line[6:])
             self.prompt = self.prompt or list(chunk.prompt_token_ids or [])
             share = (len(line) + 2) / max(1, len(chunk.choices))
+            self._bytes += len(line) + 2
             for part in chunk.choices:
                 self.parts.append((part, share, self.live))
-                if part.index == 0 and part.token_ids and len(self._times) < PROBE_TOKENS:
-                    self._times.append(time.perf_counter())
-                    self._first_tokens += len(part.token_ids)
-            if len(self._times) < PROBE_TOKENS:
-                self._first_bytes += len(line) + 2
+                self._tokens[part.index] = self._tokens.get(part.index, 0) + len(part.token_ids or [])
+            if self._start is None and self.lead():
+                self._start = (time.perf_counter(), self.lead(), self._bytes)
             return True
         return False
 
-    async def read_tokens(self, k: int) -> int:
-        """Read until the first choice has ``k`` token-bearing parts (or the stream ends); their
-        tokens."""
-        while len(self._times) < k and await self._next():
-            pass
-        return self._first_tokens
+    def lead(self) -> int:
+        """Tokens read of the leading choice (the engine's steps, for a choice running from the start)."""
+        return max(self._tokens.values(), default=0)
 
-    async def read_until(self, done: Callable[[list[int]], bool]) -> None:
-        """Read until ``done(the first choice's versions so far)`` or the stream's end."""
-        while not done([v for p, _, _ in self.parts if p.index == 0 for v in p.weight_versions]):
+    async def probe(self, tokens: int, span_s: float) -> bool:
+        """Read at once until the leading choice has ``tokens`` tokens and ``span_s`` passed since
+        the first token; False if the stream ended first."""
+        while self._start is None or self.lead() < tokens or time.perf_counter() - self._start[0] < span_s:
+            if not await self._next():
+                return False
+        self._probed = (time.perf_counter(), self.lead(), self._bytes)
+        return True
+
+    async def read_until(self, done: Callable[[dict[int, list[int]]], bool]) -> None:
+        """Read until ``done(each choice's versions so far)`` or the stream's end."""
+        while not done(self.versions()):
             if not await self._next():
                 return
 
+    def versions(self) -> dict[int, list[int]]:
+        """Each choice's versions read so far."""
+        out: dict[int, list[int]] = {}
+        for p, _, _ in self.parts:
+            out.setdefault(p.index, []).extend(p.weight_versions)
+        return out
+
     def rate(self) -> float:
-        """The first choice's tokens per second while read at once."""
-        span = self._times[-1] - self._times[0] if len(self._times) > 1 else 0.0
-        return max(1.0, (self._first_tokens - 1) / span) if span > 0 else 1000.0
+        """The leading choice's tokens per second while the probe read at once."""
+        assert self._start is not None and self._probed is not None
+        span = self._probed[0] - self._start[0]
+        return max(1.0, (self._probed[1] - self._start[1]) / span) if span > 0 else 1000.0
 
     def bytes_per_token(self) -> float:
-        """Stream bytes per token of the first choice (every choice's share) while timed."""
-        return max(1.0, self._first_bytes / max(1, self._first_tokens))
+        """Stream bytes per token of the leading choice (every choice's share) while probed."""
+        assert self._start is not None and self._probed is not None
+        return max(1.0, (self._probed[2] - self._start[2]) / max(1, self._probed[1] - self._start[1]))
 
     def waited(self, version: int) -> int:
         """Bytes of chunks carrying ``version``'s tokens that were read after the update went live."""
@@ -321,21 +352,25 @@ class VersionTagChecks:
     @pytest.mark.requires("streaming", "in_flight_updates")
     def test_streamed_version_tags_are_true(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
         """A streamed completion read by a slow client across an update: the client reads the
-        first tokens (timing them), then stops reading while the engine generates more than every
-        buffer between the engine and the client can hold (:func:`stream_buffering`, ``n``
-        :data:`SLOW_N` choices with top logprobs so few steps suffice), then the trainer publishes
-        the next version, and only then does the client read on. Old-version tokens that waited
-        in the server across the update must keep their version: a token's tag is the version of
-        the weights that computed it, not the one live when its chunk was written. The first
-        choice's tokens, logprobs and versions are replayed against the mirror as in
+        first tokens (timing the engine: :data:`PROBE_TOKENS` of the leading choice over at least
+        :data:`PROBE_S`), then stops reading while the engine generates more than every buffer
+        between the engine and the client can hold (:func:`stream_buffering`, ``n``
+        :data:`SLOW_N` choices with top logprobs so few steps suffice; the hold leaves the
+        leading choice :data:`HOLD_SHARE` of its budget to run after the update), then the
+        trainer publishes the next version, and only then does the client read on. Old-version
+        tokens that waited in the server across the update must keep their version: a token's
+        tag is the version of the weights that computed it, not the one live when its chunk was
+        written. The first choice that crossed the update (an engine may queue some of the
+        ``n`` choices behind the others) is replayed against the mirror as in
         :meth:`test_every_version_tag_is_true` (every tag true, versions never going back); every
-        choice's versions never go back. Inconclusive runs (the stream ended before the update
-        was live, or fewer old-version bytes than the buffers hold arrived after it) retry
-        holding twice as long, twice."""
+        choice's versions never go back. An inconclusive run (no choice crossed the update: the
+        hold was too long, the engine may run ahead of what its front has sent; or fewer
+        old-version bytes than the buffers hold arrived after it: too short) is tried again with
+        another hold, up to :data:`SLOW_ATTEMPTS` runs."""
         timelines: list[str] = []
         backlog = stream_buffering()
 
-        async def attempt(budget: int, hold_factor: float) -> tuple[bool, str]:
+        async def attempt(budget: int, held: float | None) -> tuple[bool, bool, float]:
             tl = Timeline()
             async with server_under_test.client() as client:
                 publisher = await connect(server_under_test, client)
@@ -353,37 +388,60 @@ class VersionTagChecks:
                     body["top_logprobs"] = 20
                 tl.mark("ready")
                 async with SlowReader(server_under_test, body) as reader:
-                    first = await reader.read_tokens(PROBE_TOKENS)
-                    rate, per_token = reader.rate(), reader.bytes_per_token()
-                    hold = hold_factor * backlog / (per_token * rate)
+                    if not await reader.probe(PROBE_TOKENS, PROBE_S):
+                        timelines.append(f"{budget} tokens: the stream ended while timed")
+                        await publisher.close()
+                        return False, False, 0.0
+                    rate, per_token, lead = reader.rate(), reader.bytes_per_token(), reader.lead()
+                    wanted = FIRST_HOLD * backlog / (per_token * rate)
+                    hold = min(wanted, HOLD_SHARE * (budget - lead) / rate) if held is None else held
                     tl.mark(
-                        f"{first} tokens read ({rate:.0f}/s, {per_token / 1024:.1f} KiB each): reading held {hold:.1f}s"
+                        f"{lead} tokens read ({rate:.0f}/s, {per_token / 1024:.1f} KiB each): "
+                        f"reading held {hold:.2f}s ({wanted:.1f}s at that rate)"
                     )
                     await asyncio.sleep(hold)
                     mirror.load(states[start + 1])
                     await mirror.publish(publisher, start + 1, info.params)
                     reader.live = True
                     tl.mark(f"v{start + 1} live")
-                    await reader.read_until(lambda tags: tags.count(start + 1) >= TAIL)
+                    # generation order: once any choice has TAIL new tokens, every choice that was
+                    # running at the update has shown its crossing
+                    await reader.read_until(lambda vs: any(tags.count(start + 1) >= TAIL for tags in vs.values()))
                     tl.mark("read on")
                 await publisher.close()
             choices = reader.choices()
             waited = reader.waited(start)
-            timelines.append(f"{budget} tokens, hold x{hold_factor}: {tl}; {waited >> 10} KiB of v{start} after")
+            crossed = [c for c in choices if len(set(c.weight_versions)) > 1]
+            timelines.append(
+                f"{budget} tokens: {tl}; {waited >> 10} KiB of v{start} after; "
+                f"{len(crossed)} of {len(choices)} choices crossed"
+            )
             for c in choices:
                 tags = list(c.weight_versions)
                 assert len(tags) == len(c.token_ids or []), f"choice {c.index}: {len(tags)} versions for its tokens"
                 assert tags == sorted(tags), f"a version tag lies: choice {c.index}: versions go back: {_spans(tags)}"
             assert reader.prompt, "return_token_ids: the first chunk carries no prompt_token_ids"
-            ok, msg = judge_tags(mirror, reader.prompt, choices[0], states, "the streamed completion (read slowly)")
+            judged = crossed[0] if crossed else max(choices, key=lambda c: len(c.token_ids or []))
+            ok, msg = judge_tags(mirror, reader.prompt, judged, states, f"streamed choice {judged.index} (read slowly)")
             assert ok, "a version tag lies: " + msg
-            return len(set(choices[0].weight_versions)) > 1 and waited >= backlog, ""
+            return bool(crossed), waited >= backlog, hold
 
         budget = min(SLOW_BUDGET, arun(functools.partial(room_left, server_under_test)))
-        for hold_factor in (1.3, 2.6, 5.2):
-            conclusive, _ = arun(functools.partial(attempt, budget, hold_factor))
-            if conclusive:
+        held: float | None = None  # the first hold comes from the probe's timing
+        short: float | None = None  # the longest hold after which too few bytes had waited
+        long: float | None = None  # the shortest hold after which no choice crossed the update
+        for _ in range(SLOW_ATTEMPTS):
+            crossed, enough, hold = arun(functools.partial(attempt, budget, held))
+            if crossed and enough:
                 return
+            if crossed:
+                short = hold
+            else:  # the engine ran ahead of what the client saw (a front slower than its engine)
+                long = hold if long is None else min(long, hold)
+            if short is not None and long is not None:
+                held = (short + long) / 2
+            else:
+                held = hold * 2 if long is None else hold / 4
         pytest.fail(
             f"inconclusive: no stream had {backlog >> 10} KiB of old-version tokens waiting across the update; "
             + "; ".join(timelines)
