@@ -106,6 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_tokens_in_flight=args.max_tokens_in_flight,
         shutdown_timeout_s=args.shutdown_timeout,
+        served_model_names=tuple(args.served_model_name or ()),
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     registry = load_registry()
     registry.factory("inference", args.backend)  # an import error before binding or loading anything
@@ -227,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOST",
         help="a trainer host whose weight-update store this server may join (loopback always may)",
+    )
+    # server-wide generation settings, as vLLM names them
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names /v1/models lists and requests may use (the first is the one responses carry)",
+    )
+    s.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="every logprob's token is 'token_id:N' whatever the request asks",
     )
     limits = ServeConfig(model="")
     for flag, kind, default, what in (

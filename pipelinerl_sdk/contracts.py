@@ -24,6 +24,8 @@ from pipelinerl_sdk.protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     GroupBackend,
     GroupState,
     InitProcessGroupRequest,
@@ -31,6 +33,9 @@ from pipelinerl_sdk.protocol import (
     ParamSpec,
     ProbeBroadcastRequest,
     ReceiveMode,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     WeightUpdateRequest,
     WorkerState,
 )
@@ -152,6 +157,13 @@ class ServeConfig:
     #: On SIGTERM, requests still running after this many seconds are aborted; the process exits
     #: a few seconds later at most (a receive stuck in a collective included).
     shutdown_timeout_s: float = 5.0
+    #: The names ``/v1/models`` lists and requests may name (vLLM's ``--served-model-name``; the
+    #: first is the one responses carry). Empty: the model directory's last component, which
+    #: requests may also give as the whole path.
+    served_model_names: tuple[str, ...] = ()
+    #: Every logprob's ``token`` is ``token_id:N``, whatever the request asks (vLLM's
+    #: ``--return-tokens-as-token-ids``; a request may still ask for it where this is off).
+    return_tokens_as_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +334,15 @@ class InferenceBackend(ABC):
         """A ``stream=true`` completion, for a backend that declares ``streaming`` and
         ``completions`` (as :meth:`chat_completion_stream`); the default refuses."""
         raise InvalidRequest(f"stream: the {self.name} backend does not stream; send stream=false", field="stream")
+
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """``/tokenize`` (vLLM's shape): the ids the generation routes would use for the prompt.
+        The default refuses (400 naming ``tokenize``); the kit's backends answer."""
+        raise InvalidRequest(f"tokenize: the {self.name} backend does not serve /tokenize", field="tokenize")
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """``/detokenize`` (vLLM's shape): the text of the ids. The default refuses."""
+        raise InvalidRequest(f"detokenize: the {self.name} backend does not serve /detokenize", field="detokenize")
 
 
 @runtime_checkable

@@ -502,6 +502,66 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a ``prompt``, as vLLM 0.32 takes it: the text's ids, with the
+    model's special tokens unless ``add_special_tokens`` is false. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with ``messages``, as vLLM 0.32 takes it: the ids the chat route would
+    generate from (the chat template with ``tools`` and ``chat_template_kwargs``; special tokens
+    added on top only with ``add_special_tokens``). Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> TokenizeChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be set with add_generation_prompt (as vLLM)")
+        return self
+
+
+class TokenizeResponse(WireModel):
+    """``/tokenize``'s answer (vLLM's shape): the ids, their count, the server's context, and
+    each id's token string when asked."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): ids of the model's vocabulary."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(WireModel):
+    """``/detokenize``'s answer: the ids' text, special tokens included (vLLM's decode)."""
+
+    prompt: str
+
+
 class TopLogprob(WireModel):
     token: str
     logprob: float

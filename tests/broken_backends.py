@@ -46,9 +46,14 @@ from pipelinerl_sdk.protocol import (
     ChoiceLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ParamSpec,
     ReceiveMode,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     WeightUpdateRequest,
 )
 from pipelinerl_sdk.reference.backend import ReferenceInferenceBackend
@@ -706,6 +711,30 @@ class MinTokensCountsEarlyStops(ReferenceInferenceBackend):
         return super()._outcome(r, req.model_copy(update={"min_tokens": 0}))  # the bug, in the text too
 
 
+class TokenizeWithoutTemplate(ReferenceInferenceBackend):
+    """``/tokenize`` of a chat tokenizes its messages' text, not the chat template's rendering (a
+    front that forgets the template: the ids a client counts are not those generated from).
+
+    Caught by ``test_tokenize_gives_the_ids_generation_uses``: "/tokenize of the chat gave"."""
+
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        if isinstance(req, TokenizeChatRequest):  # the bug
+            text = "".join(str(m.content) for m in req.messages)
+            strs = req.return_token_strs
+            req = TokenizeCompletionRequest(prompt=text, add_special_tokens=False, return_token_strs=strs)
+        return await super().tokenize(req)
+
+
+class DetokenizeSkipsSpecial(ReferenceInferenceBackend):
+    """``/detokenize`` drops special tokens (``skip_special_tokens=True``, the generation default,
+    where vLLM's decode keeps them).
+
+    Caught by ``test_tokenize_gives_the_ids_generation_uses``: "/detokenize of"."""
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=True))  # the bug
+
+
 class IgnoresLogitBias(ReferenceInferenceBackend):
     """Accepts ``logit_bias`` and drops it before the engine (an adapter that forgets to map it).
 
@@ -989,6 +1018,8 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-includes-the-whole-token": ("IncludesTheWholeToken", INFERENCE),
     "broken-ignores-min-tokens": ("IgnoresMinTokens", INFERENCE),
     "broken-min-tokens-counts-early-stops": ("MinTokensCountsEarlyStops", INFERENCE),
+    "broken-tokenize-without-template": ("TokenizeWithoutTemplate", INFERENCE),
+    "broken-detokenize-skips-special": ("DetokenizeSkipsSpecial", INFERENCE),
     "broken-ignores-logit-bias": ("IgnoresLogitBias", INFERENCE),
     "broken-ignores-penalties": ("IgnoresPenalties", INFERENCE),
     "broken-repetition-over-output-only": ("RepetitionOverOutputOnly", INFERENCE),

@@ -232,6 +232,16 @@ EXPECTED: dict[str, Expectation] = {
         "test_min_tokens_holds_the_end_off",
         "a stop string counts only where it ends past",
     ),
+    "broken-tokenize-without-template": Expectation(
+        "test_tokenize_gives_the_ids_generation_uses",
+        "test_tokenize_gives_the_ids_generation_uses",
+        "/tokenize of the chat gave",
+    ),
+    "broken-detokenize-skips-special": Expectation(
+        "test_tokenize_gives_the_ids_generation_uses",
+        "test_tokenize_gives_the_ids_generation_uses",
+        "/detokenize of",
+    ),
     "broken-ignores-logit-bias": Expectation(
         "test_logit_bias_forces_a_token",
         "test_logit_bias_forces_a_token",

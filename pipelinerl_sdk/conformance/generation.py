@@ -549,6 +549,61 @@ class GenerationChecks:
 
         arun(main)
 
+    def test_tokenize_gives_the_ids_generation_uses(self, server_under_test: ServerUnderTest) -> None:
+        """``/tokenize`` and ``/detokenize`` (vLLM 0.32's routes and shapes). A chat's ids are the
+        ``prompt_token_ids`` the chat route generates from, with ``token_strs`` the tokenizer's
+        strings and ``max_model_len`` the server's; a text prompt's ids are the tokenizer's with
+        and without special tokens; ``/detokenize`` gives the tokenizer's text of the ids, special
+        tokens kept. A backend that does not serve them answers each with a 400 naming the route
+        (``tokenize``, ``detokenize``) and keeps serving. Exact."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(server_under_test.model_dir)
+        text = "Hello, wörld! 12 + 7 = 19 " + str(tokenizer.eos_token or "")
+
+        async def main() -> None:
+            async with httpx.AsyncClient(
+                base_url=server_under_test.url, timeout=120, headers=openai_headers(server_under_test)
+            ) as http:
+                r = await http.post("/tokenize", json={"messages": PROMPT, "return_token_strs": True})
+                if r.status_code == 400 and r.json().get("error", {}).get("param") == "tokenize":
+                    r = await http.post("/detokenize", json={"tokens": [0]})
+                    param = r.json().get("error", {}).get("param") if r.status_code == 400 else None
+                    assert param == "detokenize", f"/tokenize refused, /detokenize answered {r.status_code} {r.text}"
+                    r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
+                    assert r.status_code == 200, f"after the refused /tokenize: {r.status_code} {r.text[:300]}"
+                    return
+                assert r.status_code == 200, f"/tokenize answered {r.status_code} {r.text[:300]}"
+                got = r.json()
+            async with server_under_test.client() as client:
+                info = await client.info()
+                resp = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
+            prompt = list(resp.prompt_token_ids or [])
+            assert got["tokens"] == prompt, f"/tokenize of the chat gave {got['tokens']}; the chat used {prompt}"
+            assert got["count"] == len(prompt) and got["max_model_len"] == info.max_model_len, (
+                f"/tokenize: count {got['count']} for {len(prompt)} ids, max_model_len {got['max_model_len']} "
+                f"(the server's is {info.max_model_len})"
+            )
+            strs = tokenizer.convert_ids_to_tokens(prompt)
+            assert got.get("token_strs") == strs, f"token_strs {got.get('token_strs')} are not the tokenizer's {strs}"
+            async with httpx.AsyncClient(
+                base_url=server_under_test.url, timeout=120, headers=openai_headers(server_under_test)
+            ) as http:
+                for special in (True, False):
+                    r = await http.post("/tokenize", json={"prompt": text, "add_special_tokens": special})
+                    want = tokenizer(text, add_special_tokens=special)["input_ids"]
+                    assert r.status_code == 200 and r.json()["tokens"] == want, (
+                        f"/tokenize of {text!r} (add_special_tokens {special}): {r.text[:300]}, the tokenizer's {want}"
+                    )
+                for ids in (prompt, want):
+                    r = await http.post("/detokenize", json={"tokens": ids})
+                    decoded = tokenizer.decode(ids)
+                    assert r.status_code == 200 and r.json() == {"prompt": decoded}, (
+                        f"/detokenize of {ids}: {r.text[:300]}, the tokenizer's {decoded!r}"
+                    )
+
+        arun(main)
+
     @pytest.mark.requires("streaming")
     def test_streamed_deltas_add_up_to_the_non_streamed_text(
         self, server_under_test: ServerUnderTest, mirror: Mirror

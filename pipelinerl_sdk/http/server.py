@@ -70,9 +70,12 @@ from pipelinerl_sdk.protocol import (
     ApplyFloorResponse,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     InitProcessGroupRequest,
     ProbeBroadcastRequest,
     ServerInfo,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     UpdateEvent,
     WeightUpdateRequest,
     parse_init_method,
@@ -95,6 +98,8 @@ ROUTES: dict[str, Literal["open", "read", "control", "openai"]] = {
     "/v1/models": "openai",
     "/v1/chat/completions": "openai",
     "/v1/completions": "openai",
+    "/tokenize": "openai",
+    "/detokenize": "openai",
 }
 
 
@@ -280,9 +285,13 @@ def build_router(
     api_key: str | None,
     trainer_hosts: tuple[str, ...] = (),
     limits: Limits | None = None,
+    served_model_names: tuple[str, ...] = (),
+    return_tokens_as_token_ids: bool = False,
 ) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
     from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only.
+    ``served_model_names`` and ``return_tokens_as_token_ids``: as
+    :class:`~pipelinerl_sdk.contracts.ServeConfig`'s fields of those names.
 
     ``limits`` (defaults: :class:`~pipelinerl_sdk.http.admission.Limits`) bound every body (413)
     and the chat requests and tokens admitted at once (429 with Retry-After). A chat request
@@ -302,7 +311,11 @@ def build_router(
     guards = {path: by_access[access] for path, access in ROUTES.items()}
     slot = _ControlSlot()
     router = APIRouter(route_class=_guarded_route(guards, limits.max_body_bytes))
-    served = served_model_name(backend.model_name)
+    if any(not name.strip() for name in served_model_names):
+        raise ValueError("served_model_names: a served model name must not be empty")
+    served = served_model_names[0] if served_model_names else served_model_name(backend.model_name)
+    names = served_model_names or (served,)  # what /v1/models lists
+    accepted = set(served_model_names) if served_model_names else {served, backend.model_name}
     created = int(time.time())
 
     @router.get("/health")
@@ -445,13 +458,14 @@ def build_router(
             "object": "list",
             "data": [
                 {
-                    "id": served,
+                    "id": name,
                     "object": "model",
                     "created": created,
                     "owned_by": backend.name,
                     "root": served,
                     "max_model_len": backend.max_model_len,
                 }
+                for name in names
             ],
         }
 
@@ -482,10 +496,26 @@ def build_router(
         whole: Callable[[Any], Awaitable[Any]],
         streamed: Callable[[Any], Awaitable[AsyncIterator[Any]]],
     ) -> Response:
-        if req.model is not None and req.model not in (served, backend.model_name):
-            raise HTTPError(404, f"model {req.model!r} is not served here (serving {served!r})", field="model")
+        check_model(req.model)
+        if return_tokens_as_token_ids and not req.return_tokens_as_token_ids:
+            req = req.model_copy(update={"return_tokens_as_token_ids": True})
         check_min_tokens(req, backend.capabilities.min_tokens, backend.name)
         return await (stream(req, streamed) if req.stream else generate(req, request, whole))
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in accepted:
+            serving = ", ".join(repr(n) for n in names)
+            raise HTTPError(404, f"model {model!r} is not served here (serving {serving})", field="model")
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
+        check_model(req.model)
+        return JSONResponse((await backend.tokenize(req)).model_dump(exclude_none=True))
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        check_model(req.model)
+        return JSONResponse((await backend.detokenize(req)).model_dump())
 
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:

@@ -57,7 +57,7 @@ def vllm_cli_args(config: ServeConfig, port: int) -> list[str]:
     opts = config.options
     args = [
         "--model", str(config.model),
-        "--served-model-name", str(config.model),
+        "--served-model-name", *(config.served_model_names or (str(config.model),)),
         "--dtype", config.dtype,
         "--host", config.host,
         "--port", str(port),
@@ -77,6 +77,8 @@ def vllm_cli_args(config: ServeConfig, port: int) -> list[str]:
         args.append("--enforce-eager")
     if config.api_key:
         args += ["--api-key", config.api_key]
+    if config.return_tokens_as_token_ids:  # vLLM's own routes (completions, native) agree
+        args.append("--return-tokens-as-token-ids")
     args += opts.get("vllm_args", "").split()
     return args
 

@@ -152,6 +152,24 @@ def test_backend_and_weight_transfer_engine_are_registered() -> None:
     assert WeightTransferEngineFactory._registry["pipelinerl"]() is PipelineRLWeightTransferEngine
 
 
+def test_server_wide_settings_reach_vllms_own_routes() -> None:
+    """``--served-model-name`` and ``--return-tokens-as-token-ids`` are passed to vLLM too, so its
+    own routes (``/v1/completions`` where it serves them, ``native_generation_routes``) agree with
+    the SDK's; without them vLLM serves the model path, as before."""
+    from pipelinerl_sdk_vllm.server import vllm_cli_args
+
+    from pipelinerl_sdk.contracts import ServeConfig
+
+    args = vllm_cli_args(
+        ServeConfig(model="/m/tiny", served_model_names=("a", "b"), return_tokens_as_token_ids=True), 8000
+    )
+    i = args.index("--served-model-name")
+    assert args[i + 1 : i + 3] == ["a", "b"] and args[i + 3].startswith("--")
+    assert "--return-tokens-as-token-ids" in args
+    args = vllm_cli_args(ServeConfig(model="/m/tiny"), 8000)
+    assert args[args.index("--served-model-name") + 1] == "/m/tiny" and "--return-tokens-as-token-ids" not in args
+
+
 # --- start-up errors are reported, not hung on ----------------------------------------------------
 
 

@@ -5,6 +5,7 @@ to its engine."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from pipelinerl_sdk.kit.inference.card import EngineCard
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
 from pipelinerl_sdk.kit.inference.completion import plan_completion
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks, completion_chunks
+from pipelinerl_sdk.kit.inference.tokenize import detokenize, tokenize
 from pipelinerl_sdk.kit.inference.tools import TOOL_CALL_PARSERS
 from pipelinerl_sdk.kit.inference.update import UpdateSteps, run_update
 from pipelinerl_sdk.protocol import (
@@ -24,11 +26,16 @@ from pipelinerl_sdk.protocol import (
     ChatCompletionRequest,
     CompletionChunk,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     GroupState,
     InitProcessGroupRequest,
     ParamSpec,
     ReceiveMode,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     WeightUpdateRequest,
 )
 
@@ -195,6 +202,15 @@ class KitBackend(InferenceBackend):
         ]
         samples = [self.sample_steps(plan, req, i) for plan in plans for i in range(req.n)]
         return completion_chunks(self.tokenizer, self.model_name, req, plans, samples, self.ending_ids(req))
+
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """The ids this backend generates from for ``req``'s prompt, off the event loop."""
+        context = self.max_model_len if self.max_model_len is not None else 0
+        return await asyncio.to_thread(tokenize, self.tokenizer, req, context)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of ``req.tokens``, off the event loop."""
+        return await asyncio.to_thread(detokenize, self.tokenizer, req, self.vocab_size)
 
     async def prepare(self, plan: ChatPlan) -> ChatPlan:
         """``plan`` with the engine's own work on it done, off the event loop, before any of its

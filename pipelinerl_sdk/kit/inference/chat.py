@@ -119,6 +119,12 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest, max_model_len: int
     InvalidRequest naming the field if the template refuses them. A prompt that leaves no room
     to generate in ``max_model_len`` is :class:`PromptTooLong`, found before its ids are made
     Python objects (:func:`encode_prompt`)."""
+    return encode_prompt(tokenizer, render_text(tokenizer, req), max_model_len)
+
+
+def render_text(tokenizer: Any, req: ChatCompletionRequest) -> str:
+    """The request's messages (and ``tools``) through the chat template, with its
+    ``chat_template_kwargs``, as text; InvalidRequest naming the field if the template refuses."""
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
@@ -135,7 +141,7 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest, max_model_len: int
     except (TemplateError, TypeError, ValueError) as e:
         field = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
         raise InvalidRequest(f"{field}: the chat template refused the request: {e}", field=field) from e
-    return encode_prompt(tokenizer, str(text), max_model_len)
+    return str(text)
 
 
 def rust_tokenizer(tokenizer: Any) -> Any | None:

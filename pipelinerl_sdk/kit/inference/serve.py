@@ -97,6 +97,8 @@ def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfi
         api_key=config.api_key,
         trainer_hosts=config.trainer_hosts,
         limits=Limits.of(config),
+        served_model_names=config.served_model_names,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
     )
     mount_first(app, router)
     install_error_handlers(app)
