@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from pipelinerl_sdk.contracts import ServeConfig, capabilities_to_dict
+from pipelinerl_sdk.contracts import LOGPROBS_MODES, InferenceCapabilities, ServeConfig, capabilities_to_dict
 from pipelinerl_sdk.errors import PipelineRLError
 from pipelinerl_sdk.launch import ENV_API_KEY, ENV_CONTROL_TOKEN
 from pipelinerl_sdk.plugins import load_registry
@@ -108,9 +108,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         served_model_names=tuple(args.served_model_name or ()),
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        logprobs_mode=args.logprobs_mode,
     )
     registry = load_registry()
     registry.factory("inference", args.backend)  # an import error before binding or loading anything
+    caps = registry.get("inference", args.backend).capabilities
+    modes = caps.logprobs_modes if isinstance(caps, InferenceCapabilities) else frozenset({"raw_logprobs"})
+    if config.logprobs_mode not in modes:
+        print(
+            f"pipelinerl serve: --logprobs-mode {config.logprobs_mode}: the {args.backend} backend serves "
+            f"{', '.join(sorted(modes))} only",
+            file=sys.stderr,
+        )
+        return 2
     if args.port:  # fail before loading a model, not after
         from pipelinerl_sdk.http.server import bind_socket
 
@@ -242,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--return-tokens-as-token-ids",
         action="store_true",
         help="every logprob's token is 'token_id:N' whatever the request asks",
+    )
+    s.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what every reported logprob is (vLLM's meanings; a backend that cannot is refused at start-up)",
     )
     limits = ServeConfig(model="")
     for flag, kind, default, what in (

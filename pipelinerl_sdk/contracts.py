@@ -46,6 +46,15 @@ if TYPE_CHECKING:
 # --- capabilities ---------------------------------------------------------------------------------
 
 
+#: vLLM 0.32's ``--logprobs-mode`` values: what every reported logprob (and top alternative) is.
+#: ``raw_logprobs`` (the default, what the trainer's importance ratios need): ``log_softmax`` of the
+#: model's logits; ``raw_logits``: those logits; ``processed_logprobs``: ``log_softmax`` of the logits
+#: the token was drawn from (bias and penalties applied, then temperature, min-p, top-k and top-p,
+#: the tokens they cut at -9999); ``processed_logits``: those logits. Greedy requests: the processed
+#: logits are the biased and penalised ones, unscaled.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceCapabilities:
     """What an inference backend declares once; the conformance suite turns each field into a
@@ -84,8 +93,16 @@ class InferenceCapabilities:
     #: Chat text constrained as asked: ``response_format`` ``json_object`` / ``json_schema``,
     #: ``tool_choice`` ``required`` or a named function (the text becomes ``tool_calls``).
     structured_outputs: bool = False
+    #: The ``--logprobs-mode`` settings (vLLM 0.32's meanings, :data:`LOGPROBS_MODES`) a server of
+    #: this backend can be started with; any other is refused at start-up, naming the setting.
+    logprobs_modes: frozenset[str] = frozenset({"raw_logprobs"})
 
     def __post_init__(self) -> None:
+        unknown = set(self.logprobs_modes) - set(LOGPROBS_MODES)
+        if unknown or "raw_logprobs" not in self.logprobs_modes:
+            raise ValueError(
+                f"logprobs_modes: {sorted(self.logprobs_modes)} (raw_logprobs and any of {LOGPROBS_MODES})"
+            )
         if self.per_token_versions is not True:
             raise ValueError(
                 "per_token_versions: must be True (every completion token carries its weight version: "
@@ -164,6 +181,9 @@ class ServeConfig:
     #: Every logprob's ``token`` is ``token_id:N``, whatever the request asks (vLLM's
     #: ``--return-tokens-as-token-ids``; a request may still ask for it where this is off).
     return_tokens_as_token_ids: bool = False
+    #: What every reported logprob is (vLLM's ``--logprobs-mode``, :data:`LOGPROBS_MODES`); a mode
+    #: the backend does not declare in ``InferenceCapabilities.logprobs_modes`` is refused at start-up.
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass(frozen=True, slots=True)

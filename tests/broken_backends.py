@@ -85,6 +85,7 @@ def _rebuild_engine(
         max_batch_size=old._max_batch_size,
         max_model_len=old._max_model_len,
         version=version,
+        logprobs_mode=old._logprobs_mode,
     )
 
 

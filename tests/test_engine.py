@@ -456,3 +456,49 @@ def test_stream_equals_generate_and_closing_it_drops_the_request(
         await engine.stop()
 
     run(main())
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_what_vllm_reports(model: PreTrainedModel, prompts: list[list[int]], mode: str) -> None:
+    """Each logprobs mode reports vLLM 0.32's values for every token and top alternative, checked
+    against a full forward and the suite's own sampling distribution (vLLM's order: temperature,
+    min-p, top-k, top-p; a cut token at -9999): raw logits; the drawn distribution's logprobs or
+    logits (temperature-scaled, cut at -inf); greedy: the biased logits, unscaled."""
+    from pipelinerl_sdk.conformance.stats import sampling_distribution
+
+    settings = [
+        SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, top_k=20, min_p=0.02, seed=3, top_logprobs=5),
+        SamplingParams(max_tokens=10, temperature=2.0, top_p=0.5, seed=4, top_logprobs=5),
+        SamplingParams(max_tokens=10, temperature=0.0, logit_bias=((7, 3.0),), top_logprobs=5),
+    ]
+
+    async def main() -> list[GenerationResult]:
+        engine = await started(model, logprobs_mode=mode)
+        out = [await engine.generate(prompts[0], p) for p in settings]
+        await engine.stop()
+        return out
+
+    for params, res in zip(settings, run(main()), strict=True):
+        ids = res.prompt_token_ids + res.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, len(res.prompt_token_ids) - 1 : -1].double()
+        for j, (token, got, tops) in enumerate(zip(res.token_ids, res.logprobs, res.top_logprobs, strict=True)):
+            row = logits[j].clone()
+            for t, b in params.logit_bias:
+                row[t] += b
+            if mode == "raw_logits":
+                want = logits[j]
+            elif params.temperature == 0:
+                want = row if mode == "processed_logits" else torch.log_softmax(row, dim=-1)
+            else:
+                dist = sampling_distribution(row, params.temperature, params.top_p, top_k=params.top_k,
+                                             min_p=params.min_p)  # fmt: skip
+                cut = dist == 0
+                assert not bool(cut[token]), f"token {j} was drawn from outside the distribution"
+                scaled = (row / params.temperature).masked_fill(cut, float("-inf"))
+                want = scaled if mode == "processed_logits" else torch.log_softmax(scaled, dim=-1)
+            want = want.clamp(min=-9999.0)
+            assert abs(got - float(want[token])) < 1e-3, (mode, params, j, got, float(want[token]))
+            assert tops == sorted(tops, key=lambda x: -x[1]) and len(tops) == 5
+            for t, v in tops:
+                assert abs(v - float(want[t])) < 1e-3, (mode, params, j, t, v, float(want[t]))

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from pipelinerl_sdk.cli import build_parser
 from pipelinerl_sdk.http.server import build_router
@@ -33,8 +34,12 @@ def test_cli_reads_the_settings_as_vllm_spells_them() -> None:
 
 
 def test_an_empty_served_name_is_refused_at_start_up() -> None:
+    from pipelinerl_sdk.contracts import InferenceCapabilities
+
     class Named:
+        name = "named"
         model_name = "/models/tiny"
+        capabilities = InferenceCapabilities()
 
     with pytest.raises(ValueError, match="served_model_names"):
         build_router(Named(), control_token="c", api_key=None, served_model_names=("ok", " "))  # type: ignore[arg-type]
@@ -155,3 +160,53 @@ def test_tokenize_refusals_name_their_field(served: ServerProcess, tiny_model: P
         assert r.status_code == status and field in r.text, (body, r.status_code, r.text)
     r = httpx.post(f"{served.url}/tokenize", json={"prompt": "x"}, timeout=10)  # the OpenAI routes' key
     assert r.status_code == 401
+
+
+# --- --logprobs-mode (vLLM's meanings) --------------------------------------------------------------
+
+
+def test_an_undeclared_logprobs_mode_is_refused_at_start_up() -> None:
+    from pipelinerl_sdk.contracts import InferenceCapabilities
+
+    class RawOnly:
+        name = "raw-only"
+        model_name = "/models/tiny"
+        capabilities = InferenceCapabilities()
+
+    with pytest.raises(ValueError, match="logprobs_mode: the raw-only backend serves"):
+        build_router(RawOnly(), control_token="c", api_key=None, logprobs_mode="processed_logprobs")  # type: ignore[arg-type]
+    build_router(RawOnly(), control_token="c", api_key=None, logprobs_mode="raw_logprobs")  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):  # argparse: not one of vLLM's modes
+        build_parser().parse_args(["serve", "--model", "m", "--logprobs-mode", "processed"])
+
+
+@pytest.mark.integration
+def test_processed_logprobs_are_the_drawn_distributions(tiny_model: Path) -> None:
+    """A server started with ``--logprobs-mode processed_logprobs`` (PipelineRL starts vLLM so)
+    reports, at temperature 0.7 with top-p 0.9, the logprobs of the distribution each token was
+    drawn from (a full forward, the suite's own sampling distribution), not the raw model's."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl_sdk.conformance.stats import sampling_distribution
+
+    proc = ServerProcess("reference", tiny_model, api_key=API_KEY, startup_timeout_s=120,
+                         options={"threads": 1, "max_model_len": 256},
+                         args=["--logprobs-mode", "processed_logprobs"])  # fmt: skip
+    proc.start()
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 5,
+                "logprobs": True, "return_token_ids": True}  # fmt: skip
+        resp = post(proc, "/v1/chat/completions", body).json()
+    finally:
+        proc.stop()
+    choice = resp["choices"][0]
+    ids = resp["prompt_token_ids"] + choice["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, len(resp["prompt_token_ids"]) - 1 : -1].double()
+    raw = torch.log_softmax(logits, dim=-1)
+    dist = sampling_distribution(logits, 0.7, 0.9)
+    for j, (token, entry) in enumerate(zip(choice["token_ids"], choice["logprobs"]["content"], strict=True)):
+        want = float(torch.log(dist[j, token]))
+        assert abs(entry["logprob"] - want) < 1e-3, (j, entry["logprob"], want, float(raw[j, token]))
+    assert any(abs(float(torch.log(dist[j, t])) - float(raw[j, t])) > 0.05 for j, t in enumerate(choice["token_ids"]))

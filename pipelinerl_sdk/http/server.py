@@ -287,11 +287,12 @@ def build_router(
     limits: Limits | None = None,
     served_model_names: tuple[str, ...] = (),
     return_tokens_as_token_ids: bool = False,
+    logprobs_mode: str = "raw_logprobs",
 ) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
     from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only.
-    ``served_model_names`` and ``return_tokens_as_token_ids``: as
-    :class:`~pipelinerl_sdk.contracts.ServeConfig`'s fields of those names.
+    ``served_model_names``, ``return_tokens_as_token_ids`` and ``logprobs_mode`` (refused here
+    unless the backend declares it): as :class:`~pipelinerl_sdk.contracts.ServeConfig`'s fields.
 
     ``limits`` (defaults: :class:`~pipelinerl_sdk.http.admission.Limits`) bound every body (413)
     and the chat requests and tokens admitted at once (429 with Retry-After). A chat request
@@ -311,6 +312,11 @@ def build_router(
     guards = {path: by_access[access] for path, access in ROUTES.items()}
     slot = _ControlSlot()
     router = APIRouter(route_class=_guarded_route(guards, limits.max_body_bytes))
+    if logprobs_mode not in backend.capabilities.logprobs_modes:
+        raise ValueError(
+            f"logprobs_mode: the {backend.name} backend serves {sorted(backend.capabilities.logprobs_modes)} only, "
+            f"not {logprobs_mode!r}"
+        )
     if any(not name.strip() for name in served_model_names):
         raise ValueError("served_model_names: a served model name must not be empty")
     served = served_model_names[0] if served_model_names else served_model_name(backend.model_name)

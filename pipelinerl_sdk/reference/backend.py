@@ -62,6 +62,7 @@ class ReferenceInferenceBackend(KitBackend):
             eos_token_ids=sorted(t for t in eos if isinstance(t, int) and t >= 0),
             max_batch_size=int(self.opts.get("max_batch_size", 32)),
             max_model_len=int(self.opts.get("max_model_len", 2048)),
+            logprobs_mode=config.logprobs_mode,
         )
         self.vocab_size = int(self.model.config.vocab_size)
         self._params = dict(self.model.named_parameters())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import replace
 
-from pipelinerl_sdk.contracts import TrainerCapabilities
+from pipelinerl_sdk.contracts import LOGPROBS_MODES, TrainerCapabilities
 from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 
 #: Structured output where xgrammar is installed (the ``structured`` extra).
@@ -14,6 +14,7 @@ INFERENCE = replace(
     streaming=True,
     completions=True,
     structured_outputs=importlib.util.find_spec("xgrammar") is not None,
+    logprobs_modes=frozenset(LOGPROBS_MODES),
 )
 
 INFERENCE_CARD = EngineCard(

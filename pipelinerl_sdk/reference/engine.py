@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from pipelinerl_sdk.contracts import LOGPROBS_MODES
 from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.kit.inference.chat import FinishReason
 from pipelinerl_sdk.kit.inference.gate import PauseHandle, StepGate
 from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.kit.inference.structured import GrammarConstraint
-from pipelinerl_sdk.reference.sampling import process_logits, sample
+from pipelinerl_sdk.reference.sampling import LOGPROB_FLOOR, process_logits, processed_logits, sample
 
 __all__ = [
     "ContinuousBatchingEngine",
@@ -120,7 +121,8 @@ class GenerationResult:
     """Outcome of one request.
 
     ``logprobs[i]`` is the raw model log-probability (log_softmax of the logits, before
-    temperature and top-p) of ``token_ids[i]``; ``versions[i]`` the weight version of the forward
+    temperature and top-p) of ``token_ids[i]``, or what the engine's ``logprobs_mode`` reports
+    instead; ``versions[i]`` the weight version of the forward
     that produced it; ``top_logprobs[i]`` the best ``top_logprobs`` alternatives as
     ``(token_id, logprob)``, best first (empty lists when not requested). ``prompt_logprobs``
     (when requested) has one entry per prompt token, the first being ``None``. ``finish_reason``:
@@ -202,7 +204,9 @@ class ContinuousBatchingEngine:
 
     Up to ``max_batch_size`` requests run together; further ones wait FIFO. A request needs
     ``1 <= len(prompt) < max_model_len``; it stops with ``"length"`` when prompt plus output
-    reach ``max_model_len``. ``eos_token_ids`` end every request (``"stop"``).
+    reach ``max_model_len``. ``eos_token_ids`` end every request (``"stop"``). ``logprobs_mode``
+    (:data:`~pipelinerl_sdk.contracts.LOGPROBS_MODES`) says what every completion token's reported
+    logprob and top alternatives are; prompt logprobs are always the raw model's.
     """
 
     def __init__(
@@ -213,7 +217,11 @@ class ContinuousBatchingEngine:
         max_batch_size: int = 32,
         max_model_len: int = 2048,
         version: int = 0,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self._logprobs_mode = logprobs_mode
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_model_len < 2:
@@ -635,9 +643,12 @@ class ContinuousBatchingEngine:
             logits = logits.clone()
             constraint.mask_(logits)
             logp = torch.log_softmax(logits, dim=-1)
-        token = self._sample(self._process(request, logits), params, request.generator)
+        processed = self._process(request, logits)
+        token = self._sample(processed, params, request.generator)
         if constraint is not None:
             constraint.accept(token)
+        if self._logprobs_mode != "raw_logprobs":
+            logp = self._reported(logits, processed, params)
         request.token_ids.append(token)
         request.logprobs.append(float(logp[token]))
         request.versions.append(version)
@@ -662,6 +673,20 @@ class ContinuousBatchingEngine:
         if request.progress is not None and request.finish_reason is None:
             with suppress(RuntimeError):  # the loop closed: nobody reads the stream any more
                 request.loop.call_soon_threadsafe(request.progress.set)
+
+    def _reported(self, logits: torch.Tensor, processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """What this engine's logprobs mode reports for one token's row: the raw ``logits``, or
+        the ``processed`` ones as drawn from (:func:`~.sampling.processed_logits`) or their
+        ``log_softmax``; -inf (a cut token) reported as vLLM does, :data:`~.sampling.LOGPROB_FLOOR`."""
+        mode = self._logprobs_mode
+        if mode == "raw_logits":
+            out = logits
+        else:
+            drawn = processed_logits(
+                processed, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
+            )
+            out = torch.log_softmax(drawn, dim=-1) if mode == "processed_logprobs" else drawn
+        return out.clamp(min=LOGPROB_FLOOR)
 
     def _process(self, request: _Request, logits: torch.Tensor) -> torch.Tensor:
         """``request``'s fp32 ``logits`` row with its ``logit_bias`` and penalties applied

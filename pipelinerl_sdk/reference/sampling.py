@@ -4,7 +4,8 @@ Order (vLLM v1's sampler): ``logit_bias`` added; repetition penalty on every tok
 or the output (positive logits divided, others multiplied); frequency (times the output count)
 and presence (once per token seen in the output) penalties subtracted; greedy is the argmax of
 these; else temperature, min-p (drop tokens under ``min_p`` times the best probability), top-k,
-top-p, and a draw. The reported logprobs are never these: they are the raw model's.
+top-p, and a draw. The reported logprobs are the raw model's unless the server's logprobs mode
+says otherwise (:func:`processed_logits`).
 """
 
 from __future__ import annotations
@@ -83,3 +84,36 @@ def sample(
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+#: What vLLM reports for a logprob of -inf (a token the filters cut): JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
+
+
+def processed_logits(
+    logits: torch.Tensor, *, temperature: float, top_p: float, top_k: int, min_p: float
+) -> torch.Tensor:
+    """The logits :func:`sample` draws from, as vLLM's ``processed_logits`` mode reports them:
+    processed ``logits`` (bias and penalties applied) divided by the temperature, the tokens min-p,
+    top-k and top-p cut at -inf (the same cuts as :func:`sample`); at temperature 0, ``logits``
+    unscaled (vLLM's greedy path). ``log_softmax`` of the result is ``processed_logprobs``."""
+    if temperature == 0:
+        return logits.clone()
+    out = logits / temperature
+    probs = torch.softmax(out, dim=-1)
+    cut = torch.zeros_like(probs, dtype=torch.bool)
+    if min_p > 0:
+        cut |= probs < min_p * probs.max()
+        probs = probs.masked_fill(cut, 0.0)
+    if 0 < top_k < probs.shape[0]:
+        kth = torch.topk(probs, top_k).values[-1]
+        cut |= probs < kth
+        probs = probs.masked_fill(cut, 0.0)
+    if min_p > 0 or 0 < top_k < probs.shape[0]:
+        probs = probs / probs.sum()
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+        drop[..., 0] = False
+        cut |= torch.zeros_like(cut).scatter_(-1, order, drop)
+    return out.masked_fill(cut, float("-inf"))

@@ -99,6 +99,7 @@ def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfi
         limits=Limits.of(config),
         served_model_names=config.served_model_names,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+        logprobs_mode=config.logprobs_mode,
     )
     mount_first(app, router)
     install_error_handlers(app)
