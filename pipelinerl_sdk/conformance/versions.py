@@ -53,8 +53,10 @@ def judge_tags(
     choice: ChatChoice,
     states: dict[int, dict[str, torch.Tensor]],
     what: str,
+    upto: int = 0,
 ) -> tuple[bool, str]:
-    """(the tags are true, a message naming the first token that is not)."""
+    """(the tags are true, a message naming the first token that is not): the tokens up to
+    :data:`TAIL` past the last version boundary are replayed, and at least ``upto``."""
     assert choice.token_ids is not None and choice.logprobs is not None, f"{what}: token ids or logprobs missing"
     tags = list(choice.weight_versions)
     if tags != sorted(tags):
@@ -63,7 +65,7 @@ def judge_tags(
     if unknown:
         return False, f"{what}: versions {sorted(unknown)} were never published (published {sorted(states)})"
     bounds = [j for j in range(1, len(tags)) if tags[j] != tags[j - 1]]
-    end = min(len(tags), (bounds[-1] if bounds else 0) + TAIL)
+    end = min(len(tags), max(upto, (bounds[-1] if bounds else 0) + TAIL))
     got = torch.tensor([t.logprob for t in choice.logprobs.content[:end]], dtype=torch.float64)
     kept, fresh = mirror.replay(prompt, choice.token_ids[:end], tags[:end], states)
     kept, fresh = kept.double(), fresh.double()
@@ -105,6 +107,9 @@ PROBE_S = 1.0
 #: Token budget of the slowly read stream (the server's context permitting; the stream is closed
 #: once read far enough, so a large budget costs nothing).
 SLOW_BUDGET = 4096
+#: Tokens of the longest choice replayed when no choice's tags cross the update: past where it
+#: landed after a first hold of a few seconds, so tags that never change are caught.
+UNCROSSED_REPLAY = 1024
 #: The first hold: this many times what the probe's rate needs to outgrow the buffers.
 FIRST_HOLD = 1.3
 #: Holds tried at most: each after the first halves the bracket (too short: too few bytes waited;
@@ -142,6 +147,7 @@ class SlowReader:
         #: (part, bytes of its chunk's line shared by its parts, read after the update)
         self.parts: list[tuple[ChunkChoice, float, bool]] = []
         self._tokens: dict[int, int] = {}  # tokens read of each choice
+        self._versions: dict[int, list[int]] = {}  # versions read of each choice
         self._bytes = 0  # bytes read
         #: (time, leading choice's tokens, bytes) at the first token, and at the probe's end
         self._start: tuple[float, int, int] | None = None
@@ -175,6 +181,7 @@ class SlowReader:
             for part in chunk.choices:
                 self.parts.append((part, share, self.live))
                 self._tokens[part.index] = self._tokens.get(part.index, 0) + len(part.token_ids or [])
+                self._versions.setdefault(part.index, []).extend(part.weight_versions)
             if self._start is None and self.lead():
                 self._start = (time.perf_counter(), self.lead(), self._bytes)
             return True
@@ -200,11 +207,8 @@ class SlowReader:
                 return
 
     def versions(self) -> dict[int, list[int]]:
-        """Each choice's versions read so far."""
-        out: dict[int, list[int]] = {}
-        for p, _, _ in self.parts:
-            out.setdefault(p.index, []).extend(p.weight_versions)
-        return out
+        """Each choice's versions read so far (kept as read: a stream read to its end is long)."""
+        return self._versions
 
     def rate(self) -> float:
         """The leading choice's tokens per second while the probe read at once."""
@@ -421,8 +425,12 @@ class VersionTagChecks:
                 assert len(tags) == len(c.token_ids or []), f"choice {c.index}: {len(tags)} versions for its tokens"
                 assert tags == sorted(tags), f"a version tag lies: choice {c.index}: versions go back: {_spans(tags)}"
             assert reader.prompt, "return_token_ids: the first chunk carries no prompt_token_ids"
+            # nothing crossed by its tags: the longest choice is replayed far past where the update
+            # landed (tokens the new weights computed, tagged with the old version, lie)
             judged = crossed[0] if crossed else max(choices, key=lambda c: len(c.token_ids or []))
-            ok, msg = judge_tags(mirror, reader.prompt, judged, states, f"streamed choice {judged.index} (read slowly)")
+            upto = 0 if crossed else UNCROSSED_REPLAY
+            what = f"streamed choice {judged.index} (read slowly)"
+            ok, msg = judge_tags(mirror, reader.prompt, judged, states, what, upto=upto)
             assert ok, "a version tag lies: " + msg
             return bool(crossed), waited >= backlog, hold
 
