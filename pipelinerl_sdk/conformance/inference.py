@@ -62,6 +62,8 @@ __all__ = [
 #: A request right after a refused or called-off update may take this many times the slowest of
 #: ``IDLE_SAMPLES`` idle runs of it (a hold until some timeout takes seconds: 100x and more).
 HOLD_RATIO, IDLE_SAMPLES = 10.0, 5
+#: Refusals (and called-off updates) the hold check times, judged by the fastest.
+HOLD_TRIALS = 3
 
 
 async def call_off_update(client: InferenceClient, publisher: WeightPublisher, info: ServerInfo) -> float:
@@ -544,7 +546,9 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
         """Right after an update refused at validation (a stale version), and right after one
         called off by the trainer, a short greedy request is served at once: its latency is at
         most ``HOLD_RATIO`` times the same request's idle latency, measured in the same run (the
-        slowest of ``IDLE_SAMPLES`` sent before)."""
+        slowest of ``IDLE_SAMPLES`` sent before). Each is tried ``HOLD_TRIALS`` times and judged by
+        its fastest: a server that holds generation after each refusal is slow every time, a
+        machine busy with other work only now and then (CI saw one 14.6x on a loaded machine)."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
@@ -563,18 +567,21 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
                 await timed()  # warm
                 idle = max([await timed() for _ in range(IDLE_SAMPLES)])
                 headers = {"Authorization": f"Bearer {server_under_test.control_token}"}
-                async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
-                    r = await http.post("/request_weight_update", json=update_body(info, info.version), headers=headers)
-                    assert r.status_code == 409, f"a stale version: {r.status_code} {r.text[:200]}, expected 409"
-                    refused = await timed()
-                await call_off_update(client, publisher, info)
-                called_off = await timed()
+                refused = called_off = float("inf")
+                for _ in range(HOLD_TRIALS):
+                    async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
+                        body = update_body(info, info.version)
+                        r = await http.post("/request_weight_update", json=body, headers=headers)
+                        assert r.status_code == 409, f"a stale version: {r.status_code} {r.text[:200]}, expected 409"
+                        refused = min(refused, await timed())
+                    await call_off_update(client, publisher, info)
+                    called_off = min(called_off, await timed())
                 await publisher.close()
             held = {"a refused update": refused, "a called-off update": called_off}
             slow = [f"{what}: {t * 1e3:.0f} ms = {t / idle:.1f}x" for what, t in held.items() if t > HOLD_RATIO * idle]
             assert not slow, (
                 f"generation held after {'; after '.join(slow)} the idle latency {idle * 1e3:.0f} ms "
-                f"(the slowest of {IDLE_SAMPLES}; bound {HOLD_RATIO}x)"
+                f"(the slowest of {IDLE_SAMPLES}; bound {HOLD_RATIO}x; the fastest of {HOLD_TRIALS} tries)"
             )
 
         arun(body)
