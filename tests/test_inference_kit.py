@@ -409,6 +409,7 @@ def test_engine_card_is_what_the_registry_and_the_backend_class_both_read(tiny_m
     missing engine (naming what to install). A subclass that changes its capabilities is refused."""
     import dataclasses
 
+    from pipelinerl_sdk.contracts import LOGPROBS_MODES
     from pipelinerl_sdk.errors import PluginError
     from pipelinerl_sdk.kit.inference import full_capabilities
     from pipelinerl_sdk.plugins import load_registry
@@ -420,7 +421,11 @@ def test_engine_card_is_what_the_registry_and_the_backend_class_both_read(tiny_m
     entry = registry.get("inference", "reference")
     assert (entry.capabilities, entry.description, entry.factory) == (CARD.capabilities, CARD.description, CARD.factory)
     full = dataclasses.replace(
-        full_capabilities("direct", "staged"), streaming=True, completions=True, structured_outputs=True
+        full_capabilities("direct", "staged"),
+        streaming=True,
+        completions=True,
+        structured_outputs=True,
+        logprobs_modes=frozenset(LOGPROBS_MODES),
     )
     assert ReferenceInferenceBackend.capabilities == CARD.capabilities == full
     assert CARD.capabilities.prompt_logprobs and CARD.capabilities.group_backends == {"gloo", "nccl"}
