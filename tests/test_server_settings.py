@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipelinerl_sdk.cli import build_parser
+from pipelinerl_sdk.contracts import InferenceCapabilities
 from pipelinerl_sdk.http.server import build_router
 from pipelinerl_sdk.launch import ServerProcess
 
@@ -33,16 +34,18 @@ def test_cli_reads_the_settings_as_vllm_spells_them() -> None:
     assert args.served_model_name is None and args.return_tokens_as_token_ids is False
 
 
+class RawOnly:
+    """What build_router reads of a backend before serving: a name, a model, default capabilities
+    (raw logprobs only)."""
+
+    name = "raw-only"
+    model_name = "/models/tiny"
+    capabilities = InferenceCapabilities()
+
+
 def test_an_empty_served_name_is_refused_at_start_up() -> None:
-    from pipelinerl_sdk.contracts import InferenceCapabilities
-
-    class Named:
-        name = "named"
-        model_name = "/models/tiny"
-        capabilities = InferenceCapabilities()
-
     with pytest.raises(ValueError, match="served_model_names"):
-        build_router(Named(), control_token="c", api_key=None, served_model_names=("ok", " "))  # type: ignore[arg-type]
+        build_router(RawOnly(), control_token="c", api_key=None, served_model_names=("ok", " "))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +169,6 @@ def test_tokenize_refusals_name_their_field(served: ServerProcess, tiny_model: P
 
 
 def test_an_undeclared_logprobs_mode_is_refused_at_start_up() -> None:
-    from pipelinerl_sdk.contracts import InferenceCapabilities
-
-    class RawOnly:
-        name = "raw-only"
-        model_name = "/models/tiny"
-        capabilities = InferenceCapabilities()
-
     with pytest.raises(ValueError, match="logprobs_mode: the raw-only backend serves"):
         build_router(RawOnly(), control_token="c", api_key=None, logprobs_mode="processed_logprobs")  # type: ignore[arg-type]
     build_router(RawOnly(), control_token="c", api_key=None, logprobs_mode="raw_logprobs")  # type: ignore[arg-type]
