@@ -146,7 +146,6 @@ class SlowReader:
         self.prompt: list[int] = []
         #: (part, bytes of its chunk's line shared by its parts, read after the update)
         self.parts: list[tuple[ChunkChoice, float, bool]] = []
-        self._tokens: dict[int, int] = {}  # tokens read of each choice
         self._versions: dict[int, list[int]] = {}  # versions read of each choice
         self._bytes = 0  # bytes read
         #: (time, leading choice's tokens, bytes) at the first token, and at the probe's end
@@ -180,7 +179,6 @@ class SlowReader:
             self._bytes += len(line) + 2
             for part in chunk.choices:
                 self.parts.append((part, share, self.live))
-                self._tokens[part.index] = self._tokens.get(part.index, 0) + len(part.token_ids or [])
                 self._versions.setdefault(part.index, []).extend(part.weight_versions)
             if self._start is None and self.lead():
                 self._start = (time.perf_counter(), self.lead(), self._bytes)
@@ -188,8 +186,9 @@ class SlowReader:
         return False
 
     def lead(self) -> int:
-        """Tokens read of the leading choice (the engine's steps, for a choice running from the start)."""
-        return max(self._tokens.values(), default=0)
+        """Tokens read of the leading choice (the engine's steps, for a choice running from the start;
+        one version per token)."""
+        return max(map(len, self._versions.values()), default=0)
 
     async def probe(self, tokens: int, span_s: float) -> bool:
         """Read at once until the leading choice has ``tokens`` tokens and ``span_s`` passed since
