@@ -88,7 +88,8 @@ async def merge_samples(
     samples: Sequence[AsyncIterator[TokenStep]],
 ) -> AsyncGenerator[tuple[int, TokenStep], None]:
     """The steps of every sample, ``(sample index, step)``, in the order they come. Closing the
-    merged iterator (or an error in one sample) cancels every sample still running."""
+    merged iterator (or an error in one sample) cancels every sample still running, once: each
+    runs its cleanup to its end (closing it again never interrupts that cleanup)."""
     if len(samples) == 1:
         async with aclosing(samples[0]) as only:  # type: ignore[type-var]
             async for s in only:
@@ -119,7 +120,10 @@ async def merge_samples(
     finally:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # asyncio.wait, not gather: a gather cancelled again (anyio cancels a cancelled scope's
+        # task on every loop turn) cancels its tasks again, interrupting the cleanup the first
+        # cancellation started (an engine's connection left open, its request running).
+        await asyncio.wait(tasks)
 
 
 async def released(
