@@ -109,7 +109,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         logprobs_mode=args.logprobs_mode,
+        pipelinerl_group_init_method=args.weight_update_group_init_method,
+        pipelinerl_group_world_size=args.weight_update_group_world_size or 2,
+        pipelinerl_actor_idx=args.actor_llm_idx,
+        pipelinerl_local_ranks=args.weight_update_group_local_ranks,
     )
+    refused = _pipelinerl_group_refusal(args, config)
+    if refused:
+        print(f"pipelinerl serve: {refused}", file=sys.stderr)
+        return 2
     registry = load_registry()
     registry.factory("inference", args.backend)  # an import error before binding or loading anything
     caps = registry.get("inference", args.backend).capabilities
@@ -130,6 +138,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(backend, config)
     return 0
+
+
+def _pipelinerl_group_refusal(args: argparse.Namespace, config: ServeConfig) -> str | None:
+    """Why PipelineRL's group options cannot be served as given (None: they can, or are unset)."""
+    given = args.weight_update_group_init_method, args.weight_update_group_world_size
+    if given == (None, None):
+        return None
+    if None in given:
+        return "--weight-update-group-init-method and --weight-update-group-world-size go together"
+    from pipelinerl_sdk.http.server import trainer_host_allowed
+    from pipelinerl_sdk.kit.inference.serve import pipelinerl_group
+
+    try:
+        pipelinerl_group(config)
+        allowed = trainer_host_allowed(args.weight_update_group_init_method, config.trainer_hosts)
+    except ValueError as e:
+        return f"--weight-update-group-init-method/--actor-llm-idx: {e}"
+    if not allowed:
+        return (
+            f"--weight-update-group-init-method {args.weight_update_group_init_method}: not loopback; "
+            "name the trainer's host with --allow-trainer-host"
+        )
+    return None
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -258,6 +289,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOGPROBS_MODES,
         default="raw_logprobs",
         help="what every reported logprob is (vLLM's meanings; a backend that cannot is refused at start-up)",
+    )
+    # PipelineRL's trainer protocol, under the flags PipelineRL's launcher gives vLLM
+    s.add_argument(
+        "--weight-update-group-init-method",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="serve PipelineRL's /receive_weight_update over its trainer's group at this store (gloo)",
+    )
+    s.add_argument("--weight-update-group-world-size", type=int, default=None, help="PipelineRL's group size")
+    s.add_argument("--actor-llm-idx", type=int, default=0, help="this server's index among PipelineRL's actors")
+    s.add_argument(
+        "--weight-update-group-local-ranks",
+        type=int,
+        default=1,
+        help="ranks this server takes in PipelineRL's group (its GPUs per LLM)",
     )
     limits = ServeConfig(model="")
     for flag, kind, default, what in (

@@ -184,6 +184,14 @@ class ServeConfig:
     #: What every reported logprob is (vLLM's ``--logprobs-mode``, :data:`LOGPROBS_MODES`); a mode
     #: the backend does not declare in ``InferenceCapabilities.logprobs_modes`` is refused at start-up.
     logprobs_mode: str = "raw_logprobs"
+    #: PipelineRL's trainer protocol (``/receive_weight_update``) over its group at this init
+    #: method (``--weight-update-group-init-method``; None: not served), of this world size, as
+    #: actor ``pipelinerl_actor_idx`` taking ``pipelinerl_local_ranks`` ranks
+    #: (:mod:`pipelinerl_sdk.compat.pipelinerl_trainer`).
+    pipelinerl_group_init_method: str | None = None
+    pipelinerl_group_world_size: int = 2
+    pipelinerl_actor_idx: int = 0
+    pipelinerl_local_ranks: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,16 +44,20 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import ExitStack
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict, check_group_id
+
+if TYPE_CHECKING:
+    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLGroupConfig
 from pipelinerl_sdk.errors import (
     DecisionTimeout,
     GroupError,
@@ -288,11 +292,14 @@ def build_router(
     served_model_names: tuple[str, ...] = (),
     return_tokens_as_token_ids: bool = False,
     logprobs_mode: str = "raw_logprobs",
+    pipelinerl_group: PipelineRLGroupConfig | None = None,
 ) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
     from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only.
     ``served_model_names``, ``return_tokens_as_token_ids`` and ``logprobs_mode`` (refused here
     unless the backend declares it): as :class:`~pipelinerl_sdk.contracts.ServeConfig`'s fields.
+    ``pipelinerl_group``: PipelineRL's trainer protocol is served too (``/receive_weight_update``,
+    :mod:`pipelinerl_sdk.compat.pipelinerl_trainer`); the group is joined from now on.
 
     ``limits`` (defaults: :class:`~pipelinerl_sdk.http.admission.Limits`) bound every body (413)
     and the chat requests and tokens admitted at once (429 with Retry-After). A chat request
@@ -557,7 +564,42 @@ def build_router(
             raise HTTPError(400, str(e)) from e
         return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
+    if pipelinerl_group is not None:
+        _serve_pipelinerl_trainer(router, guards, pipelinerl_group, control_token)
     return router
+
+
+def _serve_pipelinerl_trainer(
+    router: APIRouter, guards: dict[str, Guard], config: PipelineRLGroupConfig, control_token: str
+) -> None:
+    """``POST /receive_weight_update``: PipelineRL's trainer protocol, relayed onto this server's
+    own update routes (:class:`~pipelinerl_sdk.compat.pipelinerl_trainer.PipelineRLTrainerBridge`).
+    PipelineRL's trainer sends no token: the route answers loopback and the trainer's host only."""
+    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLTrainerBridge, ReceiveWeightUpdateRequest
+
+    bridge = PipelineRLTrainerBridge(config, control_token, timeout_s=config.timeout_s)
+
+    async def from_the_trainer(request: Request) -> None:
+        client = request.client.host if request.client else None
+        if not bridge.allowed_source(client):
+            raise HTTPError(
+                403,
+                f"/receive_weight_update answers PipelineRL's trainer host ({config.init_method}) and loopback only, "
+                f"not {client}",
+                kind="permission_error",
+            )
+
+    guards["/receive_weight_update"] = from_the_trainer
+
+    @router.post("/receive_weight_update")
+    async def receive_weight_update(request: Request) -> dict[str, Any]:
+        try:  # parsed here: the model is imported only where the route is served
+            req = ReceiveWeightUpdateRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+        host, port = request.scope["server"]
+        own = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return await bridge.receive(req, own)
 
 
 def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, declared: bool, backend: str) -> None:

@@ -23,7 +23,8 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.request import urlopen
 
 import pytest
 
@@ -38,7 +39,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from pipelinerl_sdk.http.client import InferenceClient  # noqa: E402
 from pipelinerl_sdk.launch import ServerProcess  # noqa: E402
-from pipelinerl_sdk.weights.publisher import WeightPublisher  # noqa: E402
+from pipelinerl_sdk.testing.pipelinerl_trainer import PipelineRLTrainerReplay  # noqa: E402
+from pipelinerl_sdk.weights.publisher import WeightPublisher, free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -94,8 +96,18 @@ class Recorder(aiohttp.ClientSession):
         return resp
 
 
+class Served(NamedTuple):
+    model: Path
+    proc: ServerProcess
+    #: PipelineRL's trainer side, rank 0 of its group (world size 2), which the server joined.
+    trainer: PipelineRLTrainerReplay
+
+
 @pytest.fixture(scope="module", params=sorted(SERVERS) or ["unset"])
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A server started as PipelineRL's launcher starts vLLM, as far as the SDK has its flags:
+    ``--return-tokens-as-token-ids`` and the weight-update group's (its trainer's store on a free
+    port, world size 2, actor 0)."""
     name = request.param
     if name == "unset":
         pytest.fail("PIPELINERL_DROPIN_SERVERS is not set: run scripts/test-pipelinerl")
@@ -103,11 +115,16 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     model = tmp_path_factory.mktemp(name) / "tiny"
     subprocess.run([python, "-m", "pipelinerl_sdk.cli", "tiny-model", str(model)], check=True, capture_output=True)
     as_transformers4(model)
-    proc = ServerProcess(name, model, python=python, env=ENV, args=["--return-tokens-as-token-ids"],
+    port = free_port()
+    group = ["--weight-update-group-init-method", f"tcp://127.0.0.1:{port}", "--weight-update-group-world-size", "2",
+             "--actor-llm-idx", "0"]  # fmt: skip
+    proc = ServerProcess(name, model, python=python, env=ENV, args=["--return-tokens-as-token-ids", *group],
                          startup_timeout_s=600)  # fmt: skip
     proc.start()
     try:
-        yield model, proc
+        trainer = PipelineRLTrainerReplay("127.0.0.1", port)
+        yield Served(model, proc, trainer)
+        trainer.close()
     finally:
         proc.stop()
 
@@ -159,8 +176,8 @@ def replayed(model: Any, prompt: list[int], ids: list[int]) -> list[float]:
     return [float(lps[len(prompt) - 1 + j, t]) for j, t in enumerate(ids)]
 
 
-def test_pipelinerl_actor_reads_the_truth(served: tuple[Path, Any]) -> None:
-    model_dir, proc = served
+def test_pipelinerl_actor_reads_the_truth(served: Served) -> None:
+    model_dir, proc, _ = served
     llm = make_llm(model_dir, proc)
     assert type(AutoTokenizer.from_pretrained(model_dir)).__name__.endswith("Fast")
     calls, session = asyncio.run(generate(llm, 4))
@@ -172,11 +189,11 @@ def test_pipelinerl_actor_reads_the_truth(served: tuple[Path, Any]) -> None:
         assert worst < 2e-3, f"PipelineRL's logprobs differ from the weights' by {worst:.2e}"
 
 
-def test_pipelinerl_actor_across_in_flight_updates(served: tuple[Path, Any]) -> None:
+def test_pipelinerl_actor_across_in_flight_updates(served: Served) -> None:
     """Calls in flight while the trainer publishes two new versions: PipelineRL's ids, prompts and
     finish reasons stay the server's, and some call's tokens span versions (the update landed
     mid-call)."""
-    model_dir, proc = served
+    model_dir, proc, _ = served
     llm = make_llm(model_dir, proc)
     local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
@@ -202,3 +219,39 @@ def test_pipelinerl_actor_across_in_flight_updates(served: tuple[Path, Any]) -> 
     check_calls(llm, calls, session)
     versions = [set(a["choices"][0].get("weight_versions") or []) for a in session.answers]
     assert any(len(v) > 1 for v in versions), f"no call crossed an update: {versions}"
+
+
+def test_pipelinerl_trainer_protocol_across_in_flight_calls(served: Served) -> None:
+    """PipelineRL's trainer protocol (``/receive_weight_update``, its request posted without a token,
+    then every parameter broadcast in order in bfloat16; the replay's data plane is gloo) while
+    PipelineRL's actor has calls in flight, twice: each answer is ``{"status": "ok"}``, PipelineRL's
+    ids, prompts and finish reasons stay the server's, some call crossed an update, and the server
+    then generates with the last weights sent (a fresh call's logprobs replayed on them)."""
+    model_dir, proc, trainer = served
+    llm = make_llm(model_dir, proc)
+    local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    version = int(json.loads(urlopen(f"{proc.url}/health", timeout=10).read())["version"])
+
+    async def main() -> tuple[list[Any], Recorder]:
+        running = asyncio.ensure_future(generate(llm, 8, LONG_TOKENS))
+        for k in (1, 2):
+            await asyncio.sleep(0.5)
+            with torch.no_grad():
+                for p in local.parameters():
+                    p.add_(torch.randn_like(p) * 0.02 * p.std())
+                    p.copy_(p.to(torch.bfloat16).float())  # what a bfloat16 trainer holds
+            params = [(n, p.detach().to(torch.bfloat16)) for n, p in local.named_parameters()]
+            (answer,) = await asyncio.to_thread(trainer.update, [proc.url], version + 1000 * k, params)
+            assert answer.status_code == 200 and answer.json()["status"] == "ok", answer.text
+        return await running
+
+    calls, session = asyncio.run(main())
+    check_calls(llm, calls, session)
+    versions = [set(a["choices"][0].get("weight_versions") or []) for a in session.answers]
+    assert any(len(v) > 1 for v in versions), f"no call crossed an update: {versions}"
+    assert set().union(*versions) <= {version, version + 1000, version + 2000}, versions
+    fresh, session = asyncio.run(generate(llm, 1))
+    ((prompt, ids),) = check_calls(llm, fresh, session)
+    assert set(session.answers[0]["choices"][0]["weight_versions"]) == {version + 2000}
+    worst = max(abs(a.logprob - b) for a, b in zip(fresh[0].logprobs, replayed(local, prompt, ids), strict=True))
+    assert worst < 2e-3, f"after PipelineRL's updates the server's logprobs differ from the weights sent by {worst:.2e}"

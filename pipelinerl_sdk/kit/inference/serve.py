@@ -30,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from copy import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
@@ -38,6 +38,9 @@ from fastapi.routing import APIRoute
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, ServesItself
 from pipelinerl_sdk.http.admission import Limits
 from pipelinerl_sdk.http.server import bind_socket, build_router, install_error_handlers
+
+if TYPE_CHECKING:
+    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLGroupConfig
 
 log = logging.getLogger("pipelinerl_sdk.serve")
 
@@ -100,11 +103,27 @@ def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfi
         served_model_names=config.served_model_names,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         logprobs_mode=config.logprobs_mode,
+        pipelinerl_group=pipelinerl_group(config),
     )
     mount_first(app, router)
     install_error_handlers(app)
     if app.middleware_stack is not None:
         app.middleware_stack = app.build_middleware_stack()
+
+
+def pipelinerl_group(config: ServeConfig) -> PipelineRLGroupConfig | None:
+    """PipelineRL's group as ``config`` names it (None where it names none); ValueError for a
+    world size or actor index that cannot hold this server's ranks."""
+    if config.pipelinerl_group_init_method is None:
+        return None
+    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLGroupConfig
+
+    return PipelineRLGroupConfig(
+        config.pipelinerl_group_init_method,
+        config.pipelinerl_group_world_size,
+        config.pipelinerl_actor_idx,
+        config.pipelinerl_local_ranks,
+    )
 
 
 def with_backend_lifespan(app: FastAPI, backend: InferenceBackend) -> None:

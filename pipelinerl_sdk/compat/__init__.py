@@ -1,0 +1,1 @@
+"""Other RL frameworks' protocols, served by every backend (:mod:`.pipelinerl_trainer`)."""
