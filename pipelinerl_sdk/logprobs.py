@@ -7,6 +7,10 @@ from typing import Any
 
 from pipelinerl_sdk.protocol import ChoiceLogprobs, TokenLogprob, TopLogprob
 
+#: What vLLM reports for a logprob of -inf (a token its sampling filters cut, in a processed
+#: ``--logprobs-mode``): JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
+
 
 def token_text(tokenizer: Any, token_id: int, *, as_ids: bool = False) -> str:
     """A logprob entry's ``token`` as vLLM writes it: the token decoded alone (a partial UTF-8

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from pipelinerl_sdk.logprobs import LOGPROB_FLOOR as SHARED_FLOOR
+
 
 class Penalties(Protocol):
     """The penalties of one request (the engine's ``SamplingParams`` has them)."""
@@ -86,8 +88,8 @@ def sample(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-#: What vLLM reports for a logprob of -inf (a token the filters cut): JSON has no infinity.
-LOGPROB_FLOOR = -9999.0
+#: What vLLM reports for a logprob of -inf (:data:`pipelinerl_sdk.logprobs.LOGPROB_FLOOR`).
+LOGPROB_FLOOR = SHARED_FLOOR
 
 
 def processed_logits(

@@ -51,6 +51,7 @@ from pipelinerl_sdk.kit.inference.completion import assemble_completion, complet
 from pipelinerl_sdk.kit.inference.procs import idle_descendants
 from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.kit.inference.structured import StructuredOutput
+from pipelinerl_sdk.logprobs import LOGPROB_FLOOR
 from pipelinerl_sdk_vllm.jobs import receive_deadline, receive_info, settled, wait_jobs
 from pipelinerl_sdk_vllm.plugin import CARD
 from pipelinerl_sdk_vllm.status_push import StatusInbox
@@ -566,14 +567,19 @@ def _versions_between(starts: list[tuple[str, int]], begin: int, end: int) -> li
 def _token_logprobs(
     token_ids: list[int], entries: Any, req: wire.SamplingRequest, top: int
 ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
-    """The sampled tokens' raw logprobs and (``top`` > 0) their best ``top`` alternatives from
-    vLLM's per-token logprob dicts; nothing where the request did not ask."""
+    """The sampled tokens' logprobs (what the server's ``--logprobs-mode`` makes them) and
+    (``top`` > 0) their best ``top`` alternatives from vLLM's per-token logprob dicts; nothing
+    where the request did not ask. -inf (a token a processed mode's filters cut) is reported as
+    vLLM's own server does, :data:`~pipelinerl_sdk.logprobs.LOGPROB_FLOOR`."""
     if not _wants_logprobs(req):
         return [], None
     entries = list(entries or [])
-    logprobs = [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
+    logprobs = [max(entry[tid].logprob, LOGPROB_FLOOR) for tid, entry in zip(token_ids, entries, strict=True)]
     tops = (
-        [[(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]] for entry in entries]
+        [
+            [(t, max(lp.logprob, LOGPROB_FLOOR)) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]]
+            for entry in entries
+        ]
         if top
         else None
     )

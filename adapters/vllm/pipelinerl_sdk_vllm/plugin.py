@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipelinerl_sdk.contracts import LOGPROBS_MODES
 from pipelinerl_sdk.kit.inference.card import EngineCard, full_capabilities
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 
@@ -18,9 +19,14 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - per-token versions are tagged by the adapter as tokens stream out of the engine;
 #: - prompt logprobs and top logprobs come from vLLM's own sampler;
 #: - streamed chat and completions, and ``/v1/completions`` with per-token versions (the SDK's
-#:   route in place of vLLM's own).
+#:   route in place of vLLM's own);
+#: - every ``--logprobs-mode`` (vLLM's own, passed through; -inf reported as vLLM's server does).
 CAPABILITIES = dataclasses.replace(
-    full_capabilities("direct", "staged"), streaming=True, completions=True, structured_outputs=True
+    full_capabilities("direct", "staged"),
+    streaming=True,
+    completions=True,
+    structured_outputs=True,
+    logprobs_modes=frozenset(LOGPROBS_MODES),
 )
 
 CARD = EngineCard(

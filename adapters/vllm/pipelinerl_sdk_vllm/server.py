@@ -79,6 +79,7 @@ def vllm_cli_args(config: ServeConfig, port: int) -> list[str]:
         args += ["--api-key", config.api_key]
     if config.return_tokens_as_token_ids:  # vLLM's own routes (completions, native) agree
         args.append("--return-tokens-as-token-ids")
+    args += ["--logprobs-mode", config.logprobs_mode]  # vLLM's own meanings: passed through
     args += opts.get("vllm_args", "").split()
     return args
 

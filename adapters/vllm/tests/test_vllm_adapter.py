@@ -179,11 +179,48 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_an_undeclared_logprobs_mode_exits_before_loading(tiny_model: Path) -> None:
-    """Only ``raw_logprobs`` is declared for now (vLLM's other modes are not yet passed through
-    and checked): any other is refused at start-up, naming the setting, before vLLM loads."""
-    out = _serve("--model", str(tiny_model), "--logprobs-mode", "processed_logprobs", timeout=120)
-    assert out.returncode == 2 and "--logprobs-mode processed_logprobs" in out.stderr, out.stderr[-2000:]
+@requires_vllm
+def test_processed_logprobs_mode_reports_what_was_sampled_from(tiny_model: Path) -> None:
+    """``--logprobs-mode processed_logprobs`` (PipelineRL starts vLLM with it) reaches vLLM: at
+    temperature 0.7 with top-k 8 and top-p 0.9, every sampled token's logprob and its alternatives
+    are those of the distribution it was drawn from (the weights' logits scaled and cut, then
+    normalised; replayed here with ``reference.sampling.processed_logits``), not the raw ones, and
+    the alternatives the filters cut read -9999 (vLLM's server's floor for -inf)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl_sdk.logprobs import LOGPROB_FLOOR
+    from pipelinerl_sdk.reference.sampling import processed_logits
+
+    proc = ServerProcess(
+        "vllm", tiny_model, env=ENV, startup_timeout_s=600, args=["--logprobs-mode", "processed_logprobs"]
+    )
+    proc.start()
+    try:
+        body = {"messages": PROMPT, "max_tokens": 12, "temperature": 0.7, "top_k": 8, "top_p": 0.9, "seed": 5,
+                "logprobs": True, "top_logprobs": 10, "return_token_ids": True}  # fmt: skip
+        r = httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.stop()
+    out = r.json()
+    choice = out["choices"][0]
+    prompt, ids = out["prompt_token_ids"], choice["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    want = torch.stack(
+        [torch.log_softmax(processed_logits(row, temperature=0.7, top_p=0.9, top_k=8, min_p=0.0), -1) for row in logits]
+    ).clamp(min=LOGPROB_FLOOR)
+    raw = torch.log_softmax(logits, -1)
+    entries = choice["logprobs"]["content"]
+    got = torch.tensor([e["logprob"] for e in entries])
+    at = torch.tensor(ids)[:, None]
+    assert torch.allclose(got, want.gather(1, at)[:, 0], atol=2e-3), (got, want.gather(1, at)[:, 0])
+    assert (got - raw.gather(1, at)[:, 0]).abs().max() > 0.05, "the logprobs are the raw ones"
+    for e, row in zip(entries, want, strict=True):
+        values = sorted((a["logprob"] for a in e["top_logprobs"]), reverse=True)
+        assert values[:8] == pytest.approx(sorted(row.tolist(), reverse=True)[:8], abs=2e-3)
+        assert len(values) == 10 and values[8:] == [LOGPROB_FLOOR] * 2, "cut alternatives must read -9999"
 
 
 @requires_vllm
