@@ -487,8 +487,10 @@ class CompletionRequest(SamplingRequest):
     reports each token's logprob and its N best alternatives."""
 
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    #: 0 only with ``echo`` (vLLM's way to score a prompt: its logprobs, nothing generated shown).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    #: The prompt in front of each choice's text (and, with ``logprobs``, of its logprobs).
     echo: bool = False
     suffix: str | None = None
 
@@ -717,8 +719,9 @@ class CompletionLogprobs(WireModel):
     character offset in the text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    #: None for the first token of an echoed prompt (nothing comes before it), as vLLM.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

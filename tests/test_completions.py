@@ -128,7 +128,8 @@ def test_stream_adds_up_to_the_non_streamed_completion(client: openai.OpenAI) ->
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"echo": True}, "echo"),
+        ({"echo": True, "stream": True}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
         ({"suffix": "x"}, "suffix"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"max_tokens": CONTEXT}, "max_tokens"),
@@ -144,3 +145,47 @@ def test_refusals_are_bad_request_naming_param(client: openai.OpenAI, kw: dict[s
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, kw.pop("prompt", TEXT), **kw)
     assert e.value.param == param, e.value.body
+
+
+def test_echo_puts_each_prompt_in_front_as_vllm(client: openai.OpenAI) -> None:
+    """``echo``: each choice's text starts with its prompt's (a text prompt as given, a token-id
+    prompt decoded); with ``logprobs`` N the logprobs cover the prompt tokens first (the first with
+    none, as vLLM writes it), each the prompt logprob the server reports, then the completion's, the
+    same as without echo (greedy)."""
+    ids = x(complete(client, TEXT, max_tokens=1).choices[0], "prompt_token_ids")
+    for prompt in ([TEXT, TEXT], [ids, ids]):
+        _echo_matches_the_plain_completion(client, prompt, ids)
+
+
+def _echo_matches_the_plain_completion(client: openai.OpenAI, prompt: Any, ids: list[int]) -> None:
+    plain = complete(client, prompt, max_tokens=6, temperature=0, logprobs=2, n=2)
+    r = complete(client, prompt, max_tokens=6, temperature=0, logprobs=2, n=2, echo=True,
+                 extra_body={"prompt_logprobs": 2})  # fmt: skip
+    assert len(r.choices) == 4
+    for k, (c, p) in enumerate(zip(r.choices, plain.choices, strict=True)):
+        assert c.text == TEXT + p.text, (k, c.text)  # the token-id prompt decodes to TEXT too
+        lp, plp = c.logprobs, p.logprobs
+        n = len(ids)
+        assert lp.tokens[n:] == plp.tokens  # and the same logprobs (prompt logprobs asked change the batch's shapes)
+        assert lp.token_logprobs[n:] == pytest.approx(plp.token_logprobs, abs=1e-5)
+        assert "".join(lp.tokens[:n]) == TEXT
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        prompt_lps = x(c, "prompt_logprobs")
+        for j in range(1, n):
+            own = prompt_lps[j][str(ids[j])]
+            assert lp.token_logprobs[j] == own["logprob"]
+            assert lp.top_logprobs[j][lp.tokens[j]] == own["logprob"] and 1 <= len(lp.top_logprobs[j]) <= 3
+        texts = "".join(lp.tokens)
+        assert all(texts.startswith(t, o) for o, t in zip(lp.text_offset, lp.tokens, strict=True))
+        assert x(c, "weight_versions") == [0] * 6 and x(c, "token_ids") == x(p, "token_ids")
+
+
+def test_echo_with_zero_tokens_scores_the_prompt(client: openai.OpenAI) -> None:
+    """``max_tokens: 0`` with ``echo`` (vLLM's scoring form): the text and logprobs are the
+    prompt's alone; the one token generated meanwhile (vLLM does the same) is counted."""
+    r = complete(client, TEXT, max_tokens=0, echo=True, logprobs=0, extra_body={"return_token_ids": False})
+    c = r.choices[0]
+    assert c.text == TEXT and c.finish_reason == "length"
+    assert c.logprobs.token_logprobs[0] is None and all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    assert "".join(c.logprobs.tokens) == TEXT and r.usage.completion_tokens == 1
+    assert "token_ids" not in (c.model_extra or {}) or x(c, "token_ids") is None  # not asked

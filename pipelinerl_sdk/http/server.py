@@ -69,11 +69,13 @@ from pipelinerl_sdk.errors import (
     UpdateRejected,
 )
 from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost
+from pipelinerl_sdk.http.echo import complete_with_echo
 from pipelinerl_sdk.protocol import (
     ApplyFloorRequest,
     ApplyFloorResponse,
     ChatCompletionRequest,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     InitProcessGroupRequest,
     ProbeBroadcastRequest,
@@ -535,6 +537,18 @@ def build_router(
         return await serve_generation(req, request, backend.chat_completion, backend.chat_completion_stream)
 
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequest(
+                "max_tokens: 0 only with echo=true (to score the prompt); else at least 1", field="max_tokens"
+            )
+        if req.echo:  # the prompt in front, as vLLM answers (pipelinerl_sdk.http.echo)
+            if req.stream:
+                raise InvalidRequest("echo: not served with stream=true; send stream=false", field="echo")
+
+            async def echoed(r: CompletionRequest) -> CompletionResponse:
+                return await complete_with_echo(r, backend.completion, backend.detokenize)
+
+            return await serve_generation(req, request, echoed, backend.completion_stream)
         return await serve_generation(req, request, backend.completion, backend.completion_stream)
 
     if backend.capabilities.completions:  # else an engine's own route (vLLM's) stays in place

@@ -870,3 +870,38 @@ def test_settled_reads_every_workers_job() -> None:
         settled([w("failed", aborted=False, error="gloo timeout"), w("received")], "update/3", received=True)
     with pytest.raises(UpdateFailed, match="a Dynamo worker lost the receive job"):
         settled([w("received"), w("received", key="update/2")], "update/3", received=True, engine="Dynamo")
+
+
+@requires_vllm
+def test_echo_answers_as_vllms_own_completions_route(vllm_server: ServerProcess) -> None:
+    """``echo`` on the SDK's ``/v1/completions`` (served by the router for every backend) gives
+    what vLLM's own handler (``native_generation_routes``) gives on the same engine: text, tokens,
+    logprobs (the first prompt token's null), alternatives and offsets, with and without generated
+    tokens (``max_tokens: 0`` scores the prompt). One known difference, older than echo and the
+    same without it: a token that ends inside a UTF-8 character is written ``\ufffd`` by the SDK
+    (the token decoded alone, as in chat logprobs) and ``""`` by vLLM's completions handler (its
+    detokenizer's correction), which shifts the offsets after it; tokens are compared without
+    ``\ufffd``, offsets each against its own tokens."""
+    from pipelinerl_sdk.bench.anchor import load_anchor
+
+    anchor = load_anchor("vllm")
+    native = getattr(anchor.flow if anchor is not None else None, "generation", None)
+    assert native is not None
+    for extra in ({"max_tokens": 5}, {"max_tokens": 0}):
+        body = {"prompt": "The sea is", "temperature": 0, "echo": True, "logprobs": 2, **extra}
+        ours = httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=120)
+        theirs = httpx.post(f"{vllm_server.url}{native.completions}", json=body, timeout=120)
+        assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+        a, b = ours.json()["choices"][0], theirs.json()["choices"][0]
+        assert a["text"] == b["text"], extra
+        la, lb = a["logprobs"], b["logprobs"]
+        assert [t.replace("\ufffd", "") for t in la["tokens"]] == lb["tokens"], extra
+        for lp in (la, lb):
+            assert lp["text_offset"] == [sum(map(len, lp["tokens"][:j])) for j in range(len(lp["tokens"]))]
+        assert la["token_logprobs"][0] is None and lb["token_logprobs"][0] is None
+        assert la["token_logprobs"][1:] == pytest.approx(lb["token_logprobs"][1:], abs=1e-4), extra
+        assert la["top_logprobs"][0] is None and lb["top_logprobs"][0] is None
+        for ta, tb in zip(la["top_logprobs"][1:], lb["top_logprobs"][1:], strict=True):
+            clean_a = {k: v for k, v in ta.items() if k and "\ufffd" not in k}  # the others collide in vLLM's
+            clean_b = {k: v for k, v in tb.items() if k}
+            assert clean_a == pytest.approx(clean_b, abs=1e-4)

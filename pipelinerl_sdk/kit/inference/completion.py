@@ -69,11 +69,13 @@ def prepare_completion(
     ``vocab_size``, else an InvalidRequest naming the prompt), the token budget (16 by default,
     as vLLM; ``null``: the rest of the context), the logprob alternatives (``logprobs`` N), the
     stop rule and sampling values. InvalidRequest naming the field for what is not served
-    (``echo``, ``suffix``, prompt logprobs in a stream) and PromptTooLong naming ``prompt`` or
+    (``suffix``, prompt logprobs in a stream; ``echo``, which the router serves) and PromptTooLong naming ``prompt`` or
     ``max_tokens`` past ``max_model_len``. Whether a backend streams is the router's check
     (capability ``streaming``)."""
-    if req.echo:
-        raise InvalidRequest("echo: not served (the prompt is in prompt_token_ids)", field="echo")
+    if req.echo:  # the router answers echo (pipelinerl_sdk.http.echo), asking without it
+        raise InvalidRequest("echo: served by the router, not by the backend", field="echo")
+    if req.max_tokens == 0:  # echo's scoring form reaches a backend as max_tokens 1
+        raise InvalidRequest("max_tokens: at least 1 (0 only with echo, which the router serves)", field="max_tokens")
     if req.suffix is not None:
         raise InvalidRequest("suffix: not served (no fill-in-the-middle)", field="suffix")
     if req.stream and req.prompt_top is not None:
@@ -132,7 +134,7 @@ def completion_logprobs(
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
-    tops = None
+    tops: list[dict[str, float] | None] | None = None
     if top_logprobs is not None:
         tops = [
             {
