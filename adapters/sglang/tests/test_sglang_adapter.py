@@ -950,10 +950,15 @@ def test_completions_text_token_ids_and_batches(sglang_server: ServerProcess, ti
             for bad, field in (
                 ({"logit_bias": {"5": 1}}, "logit_bias"),
                 ({"prompt_logprobs": 2}, "prompt_logprobs"),
-                ({"echo": True}, "echo"),
+                ({"echo": True, "logprobs": 2}, "echo"),  # it needs prompt logprobs with 2 alternatives
             ):
                 r = await h.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, **bad})
                 assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            # echo with logprobs 0 is served (the router's): the prompt's tokens first, the first with none
+            r = await h.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            echoed = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+            assert len(echoed) == len(ids) + 2 and echoed[0] is None and all(v <= 0 for v in echoed[1:])
 
     run(main)
 
