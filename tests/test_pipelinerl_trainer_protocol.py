@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,15 @@ import pytest
 import torch
 
 from pipelinerl_sdk.compat.pipelinerl_trainer import (
+    ParameterInfo,
+    PipelineRLGroup,
     PipelineRLGroupConfig,
     ReceiveWeightUpdateRequest,
     source_allowed,
     torch_dtype,
 )
 from pipelinerl_sdk.conformance.mirror import Mirror
+from pipelinerl_sdk.errors import GroupError
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.testing.pipelinerl_trainer import PipelineRLTrainerReplay
 from pipelinerl_sdk.weights.publisher import free_port
@@ -97,6 +101,28 @@ def test_serve_refuses_group_options_it_cannot_serve(flags: list[str], says: str
     )
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
+
+
+def test_a_trainer_that_starts_after_the_stores_timeout_is_still_joined() -> None:
+    """The server keeps trying to join (PipelineRL's own vLLM gives up after its store's 300 s):
+    with a 1 s timeout and the trainer 3 s late, the group forms, and a broadcast arrives."""
+    port = free_port()
+    group = PipelineRLGroup(PipelineRLGroupConfig(f"tcp://127.0.0.1:{port}", 2, timeout_s=1.0))
+    try:
+        with pytest.raises(GroupError, match="not joined after 1 s"):
+            group.ready(1.0)
+        time.sleep(2.0)
+        trainer = PipelineRLTrainerReplay("127.0.0.1", port, timeout_s=10)
+        group.ready(10.0)
+        info = ParameterInfo(name="w", shape=[3], dtype="torch.float32")
+        sent = torch.tensor([1.0, 2.0, 3.0])
+        work = trainer.pg.broadcast(sent, 0)
+        ((name, got),) = list(group.receive([info]))
+        work.wait()
+        assert name == "w" and torch.equal(got, sent)
+        trainer.close()
+    finally:
+        group.close()
 
 
 # --- on a real server -----------------------------------------------------------------------------

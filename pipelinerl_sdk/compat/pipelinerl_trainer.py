@@ -59,6 +59,8 @@ __all__ = [
 #: The store prefix of the gloo group (a trainer replaying PipelineRL's sequence on CPU forms
 #: ``ProcessGroupGloo(PrefixStore(GLOO_PREFIX, store), 0, W)``).
 GLOO_PREFIX = "pipelinerl-gloo"
+#: Seconds between tries to join PipelineRL's group (its trainer may start long after a server).
+JOIN_RETRY_S = 1.0
 
 
 class ParameterInfo(BaseModel):
@@ -134,9 +136,11 @@ class PipelineRLGroup:
         self.config = config
         self._pgs: dict[int, Any] = {}
         self._stores: list[Any] = []
-        self._error: BaseException | None = None
+        #: Why the last try to join failed (it is tried again until it works).
+        self.last_error: str | None = None
         self._broken: str | None = None
         self._joined = threading.Event()
+        self._closed = threading.Event()
         self._lock = threading.Lock()
         threads = [threading.Thread(target=self._join, args=(r,), daemon=True) for r in config.ranks]
         self._waiter = threading.Thread(target=self._wait_all, args=(threads,), daemon=True)
@@ -145,39 +149,44 @@ class PipelineRLGroup:
         self._waiter.start()
 
     def _join(self, rank: int) -> None:
+        """Join as ``rank``, trying again (every :data:`JOIN_RETRY_S`) until it works or the group
+        is closed: a trainer that starts after the store's timeout is still joined."""
         host, port = parse_init_method(self.config.init_method)
         timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        try:
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                host, port, world_size=self.config.world_size, is_master=False, timeout=timeout
-            )
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store), rank, self.config.world_size, timeout)  # type: ignore[attr-defined]
-        except Exception as e:
+        while not self._closed.is_set():
+            try:
+                store = dist.TCPStore(  # type: ignore[attr-defined]
+                    host, port, world_size=self.config.world_size, is_master=False, timeout=timeout
+                )
+                prefixed = dist.PrefixStore(GLOO_PREFIX, store)  # type: ignore[attr-defined]
+                pg = dist.ProcessGroupGloo(prefixed, rank, self.config.world_size, timeout)
+            except Exception as e:
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._closed.wait(JOIN_RETRY_S)
+                continue
             with self._lock:
-                self._error = self._error or e
+                self._stores.append(store)
+                self._pgs[rank] = pg
             return
-        with self._lock:
-            self._stores.append(store)
-            self._pgs[rank] = pg
 
     def _wait_all(self, threads: Sequence[threading.Thread]) -> None:
         for t in threads:
             t.join()
-        self._joined.set()
+        if not self._closed.is_set():
+            self._joined.set()
 
     @property
     def joined(self) -> bool:
         """Every rank joined (and the group is not broken)."""
-        return self._joined.is_set() and self._error is None and self._broken is None
+        return self._joined.is_set() and self._broken is None
 
     def ready(self, timeout_s: float) -> None:
-        """Wait until every rank has joined; GroupError naming the init method if the join failed,
-        is still running after ``timeout_s``, or the group broke since."""
+        """Wait until every rank has joined; GroupError naming the init method (and the last
+        failure to join) if it has not after ``timeout_s``, or the group broke since."""
         where = f"PipelineRL's weight-update group at {self.config.init_method} (ranks {self.config.ranks})"
         if not self._joined.wait(timeout_s):
-            raise GroupError(f"{where}: not joined yet after {timeout_s:.0f} s (has the trainer started?)")
-        if self._error is not None:
-            raise GroupError(f"{where}: could not join: {self._error}")
+            why = f"; last try: {self.last_error}" if self.last_error else ""
+            raise GroupError(f"{where}: not joined after {timeout_s:.0f} s (has the trainer started?){why}")
         if self._broken is not None:
             raise GroupError(f"{where}: broken ({self._broken}); restart the server and the trainer")
 
@@ -198,6 +207,7 @@ class PipelineRLGroup:
             yield info.name, bufs[0]
 
     def close(self) -> None:
+        self._closed.set()
         for pg in self._pgs.values():
             try:
                 pg.shutdown()
@@ -231,8 +241,7 @@ def _addresses(host: str) -> set[str]:
 @dataclass
 class PipelineRLTrainerBridge:
     """Serves ``/receive_weight_update`` for one server (see the module doc). ``control_token``:
-    the server's, for the loopback publisher; ``mode``: the receive mode asked of the server
-    (None: its default)."""
+    the server's, for the loopback publisher (which asks the server's default receive mode)."""
 
     config: PipelineRLGroupConfig
     control_token: str
