@@ -187,7 +187,7 @@ class ServeConfig:
     #: PipelineRL's trainer protocol (``/receive_weight_update``) over its group at this init
     #: method (``--weight-update-group-init-method``; None: not served), of this world size, as
     #: actor ``pipelinerl_actor_idx`` taking ``pipelinerl_local_ranks`` ranks
-    #: (:mod:`pipelinerl_sdk.compat.pipelinerl_trainer`).
+    #: (:mod:`pipelinerl_sdk.http.pipelinerl_trainer`).
     pipelinerl_group_init_method: str | None = None
     pipelinerl_group_world_size: int = 2
     pipelinerl_actor_idx: int = 0

@@ -20,7 +20,9 @@ import httpx
 import pytest
 import torch
 
-from pipelinerl_sdk.compat.pipelinerl_trainer import (
+from pipelinerl_sdk.conformance.mirror import Mirror
+from pipelinerl_sdk.errors import GroupError
+from pipelinerl_sdk.http.pipelinerl_trainer import (
     ParameterInfo,
     PipelineRLGroup,
     PipelineRLGroupConfig,
@@ -28,8 +30,6 @@ from pipelinerl_sdk.compat.pipelinerl_trainer import (
     source_allowed,
     torch_dtype,
 )
-from pipelinerl_sdk.conformance.mirror import Mirror
-from pipelinerl_sdk.errors import GroupError
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.testing.pipelinerl_trainer import PipelineRLTrainerReplay
 from pipelinerl_sdk.weights.publisher import free_port

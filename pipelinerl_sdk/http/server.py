@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipelinerl_sdk.contracts import InferenceBackend, capabilities_to_dict, check_group_id
 
 if TYPE_CHECKING:
-    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLGroupConfig
+    from pipelinerl_sdk.http.pipelinerl_trainer import PipelineRLGroupConfig
 from pipelinerl_sdk.errors import (
     DecisionTimeout,
     GroupError,
@@ -301,7 +301,7 @@ def build_router(
     ``served_model_names``, ``return_tokens_as_token_ids`` and ``logprobs_mode`` (refused here
     unless the backend declares it): as :class:`~pipelinerl_sdk.contracts.ServeConfig`'s fields.
     ``pipelinerl_group``: PipelineRL's trainer protocol is served too (``/receive_weight_update``,
-    :mod:`pipelinerl_sdk.compat.pipelinerl_trainer`); the group is joined from now on.
+    :mod:`pipelinerl_sdk.http.pipelinerl_trainer`); the group is joined from now on.
 
     ``limits`` (defaults: :class:`~pipelinerl_sdk.http.admission.Limits`) bound every body (413)
     and the chat requests and tokens admitted at once (429 with Retry-After). A chat request
@@ -587,9 +587,9 @@ def _serve_pipelinerl_trainer(
     router: APIRouter, guards: dict[str, Guard], config: PipelineRLGroupConfig, control_token: str
 ) -> None:
     """``POST /receive_weight_update``: PipelineRL's trainer protocol, relayed onto this server's
-    own update routes (:class:`~pipelinerl_sdk.compat.pipelinerl_trainer.PipelineRLTrainerBridge`).
+    own update routes (:class:`~pipelinerl_sdk.http.pipelinerl_trainer.PipelineRLTrainerBridge`).
     PipelineRL's trainer sends no token: the route answers loopback and the trainer's host only."""
-    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLTrainerBridge, ReceiveWeightUpdateRequest
+    from pipelinerl_sdk.http.pipelinerl_trainer import PipelineRLTrainerBridge, ReceiveWeightUpdateRequest
 
     bridge = PipelineRLTrainerBridge(config, control_token, timeout_s=config.timeout_s)
 

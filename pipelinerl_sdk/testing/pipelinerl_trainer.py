@@ -19,7 +19,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from pipelinerl_sdk.compat.pipelinerl_trainer import GLOO_PREFIX
+from pipelinerl_sdk.http.pipelinerl_trainer import GLOO_PREFIX
 
 __all__ = ["PipelineRLTrainerReplay"]
 

@@ -40,7 +40,7 @@ from pipelinerl_sdk.http.admission import Limits
 from pipelinerl_sdk.http.server import bind_socket, build_router, install_error_handlers
 
 if TYPE_CHECKING:
-    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLGroupConfig
+    from pipelinerl_sdk.http.pipelinerl_trainer import PipelineRLGroupConfig
 
 log = logging.getLogger("pipelinerl_sdk.serve")
 
@@ -116,7 +116,7 @@ def pipelinerl_group(config: ServeConfig) -> PipelineRLGroupConfig | None:
     world size or actor index that cannot hold this server's ranks."""
     if config.pipelinerl_group_init_method is None:
         return None
-    from pipelinerl_sdk.compat.pipelinerl_trainer import PipelineRLGroupConfig
+    from pipelinerl_sdk.http.pipelinerl_trainer import PipelineRLGroupConfig
 
     return PipelineRLGroupConfig(
         config.pipelinerl_group_init_method,

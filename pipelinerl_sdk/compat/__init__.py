@@ -1,1 +1,0 @@
-"""Other RL frameworks' protocols, served by every backend (:mod:`.pipelinerl_trainer`)."""
