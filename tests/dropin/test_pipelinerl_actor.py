@@ -176,6 +176,23 @@ def replayed(model: Any, prompt: list[int], ids: list[int]) -> list[float]:
     return [float(lps[len(prompt) - 1 + j, t]) for j, t in enumerate(ids)]
 
 
+@torch.no_grad()
+def perturb(model: Any, held_in: torch.dtype | None = None) -> None:
+    """A trainer's step, stood in for: every parameter moved by 2% of its std (then rounded to
+    ``held_in``, the dtype a trainer holds its weights in, where given)."""
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.02 * p.std())
+        if held_in is not None:
+            p.copy_(p.to(held_in).float())
+
+
+def crossed_an_update(session: Recorder) -> list[set[int]]:
+    """Each answer's weight versions; some call's tokens span versions (an update landed mid-call)."""
+    versions = [set(a["choices"][0].get("weight_versions") or []) for a in session.answers]
+    assert any(len(v) > 1 for v in versions), f"no call crossed an update: {versions}"
+    return versions
+
+
 def test_pipelinerl_actor_reads_the_truth(served: Served) -> None:
     model_dir, proc, _ = served
     llm = make_llm(model_dir, proc)
@@ -205,9 +222,7 @@ def test_pipelinerl_actor_across_in_flight_updates(served: Served) -> None:
             running = asyncio.ensure_future(generate(llm, 8, LONG_TOKENS))
             for k in (1, 2):
                 await asyncio.sleep(0.5)
-                with torch.no_grad():
-                    for p in local.parameters():
-                        p.add_(torch.randn_like(p) * 0.02 * p.std())
+                perturb(local)
                 state = dict(local.named_parameters())
                 async with publisher.update(info.version + k, info.params) as sink:
                     for spec in info.params:
@@ -217,8 +232,7 @@ def test_pipelinerl_actor_across_in_flight_updates(served: Served) -> None:
 
     calls, session = asyncio.run(main())
     check_calls(llm, calls, session)
-    versions = [set(a["choices"][0].get("weight_versions") or []) for a in session.answers]
-    assert any(len(v) > 1 for v in versions), f"no call crossed an update: {versions}"
+    crossed_an_update(session)
 
 
 def test_pipelinerl_trainer_protocol_across_in_flight_calls(served: Served) -> None:
@@ -236,10 +250,7 @@ def test_pipelinerl_trainer_protocol_across_in_flight_calls(served: Served) -> N
         running = asyncio.ensure_future(generate(llm, 8, LONG_TOKENS))
         for k in (1, 2):
             await asyncio.sleep(0.5)
-            with torch.no_grad():
-                for p in local.parameters():
-                    p.add_(torch.randn_like(p) * 0.02 * p.std())
-                    p.copy_(p.to(torch.bfloat16).float())  # what a bfloat16 trainer holds
+            perturb(local, torch.bfloat16)  # what a bfloat16 trainer holds
             params = [(n, p.detach().to(torch.bfloat16)) for n, p in local.named_parameters()]
             (answer,) = await asyncio.to_thread(trainer.update, [proc.url], version + 1000 * k, params)
             assert answer.status_code == 200 and answer.json()["status"] == "ok", answer.text
@@ -247,8 +258,7 @@ def test_pipelinerl_trainer_protocol_across_in_flight_calls(served: Served) -> N
 
     calls, session = asyncio.run(main())
     check_calls(llm, calls, session)
-    versions = [set(a["choices"][0].get("weight_versions") or []) for a in session.answers]
-    assert any(len(v) > 1 for v in versions), f"no call crossed an update: {versions}"
+    versions = crossed_an_update(session)
     assert set().union(*versions) <= {version, version + 1000, version + 2000}, versions
     fresh, session = asyncio.run(generate(llm, 1))
     ((prompt, ids),) = check_calls(llm, fresh, session)
