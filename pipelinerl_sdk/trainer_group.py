@@ -25,7 +25,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -83,13 +82,6 @@ class RankTimeout(RankError):
     def __init__(self, message: str, *, ranks: tuple[int, ...]) -> None:
         super().__init__(message, rank=ranks[0])
         self.ranks = ranks
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _env_int(name: str) -> int:
@@ -174,6 +166,8 @@ def _rank_main(rank: int, job: _Job[Any, Any]) -> None:
             "WORLD_SIZE": str(job.world_size),
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(job.world_size),
+            # as under torchrun: the launcher hosts the store, every rank is a client of it
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
     )
     out = Path(job.outdir)
@@ -247,8 +241,10 @@ def run_ranks(
     - processes are started with ``torch.multiprocessing``'s ``spawn`` method: ``fn`` must be a
       module-level function (pickled by reference) and ``arg`` and every result picklable; the
       parent's ``sys.path`` and environment are inherited;
-    - each rank gets torchrun's environment (``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``,
-      ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and the default group is initialised by
+    - each rank gets torchrun's environment (``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``,
+      ``WORLD_SIZE``, ``LOCAL_RANK``, ``TORCHELASTIC_USE_AGENT_STORE``): as torchrun's agent, this
+      process hosts the group's store, on a port the system picked and held from then on (so no
+      other process can take it between the choice and the bind); the default group is initialised by
       :func:`init_from_env` with ``backend`` before ``fn`` runs, and destroyed after it returns or
       raises;
     - an exception in any rank raises :class:`RankError` here, naming the rank that failed first
@@ -266,11 +262,16 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    import torch.distributed as dist
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
     outdir = Path(tempfile.mkdtemp(prefix="pipelinerl-ranks-"))
-    job: _Job[A, R] = _Job(fn, arg, world_size, _free_port(), backend, str(outdir), init_timeout_s=timeout_s)
+    job: _Job[A, R] = _Job(fn, arg, world_size, store.port, backend, str(outdir), init_timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
     procs = [
         ctx.Process(target=_rank_main, args=(rank, job), name=f"rank{rank}", daemon=False) for rank in range(world_size)
@@ -304,6 +305,7 @@ def run_ranks(
     finally:
         _kill_all(procs)
         shutil.rmtree(outdir, ignore_errors=True)
+        del store  # the listener closes with the last reference
 
 
 def _kill_all(procs: list[Any]) -> None:

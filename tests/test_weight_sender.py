@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pipelinerl_sdk.contracts import lend
 from pipelinerl_sdk.errors import GroupError
 from pipelinerl_sdk.weights.buckets import BucketPlan
-from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup, listen_socket
 from pipelinerl_sdk.weights.publisher import free_port
 from pipelinerl_sdk.weights.receive import StagedWeights, WeightReceiver
 from pipelinerl_sdk.weights.send import SendOrderError, SendStats, WeightSender
@@ -30,13 +30,27 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
 
 def two_members(timeout_s: float = 30) -> tuple[WeightSyncGroup, WeightSyncGroup]:
     """A fresh gloo group of two members in this process: (rank 0, rank 1; rank 1 joined from a
-    thread)."""
-    init = f"tcp://127.0.0.1:{free_port()}"
+    thread). Rank 0's store takes over a socket bound before the address is handed out."""
+    listener = listen_socket("127.0.0.1", 0)
+    init = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     joined: Future[WeightSyncGroup] = Future()
     config = GroupConfig(init, 1, 2, timeout_s=timeout_s)
     threading.Thread(target=lambda: joined.set_result(WeightSyncGroup(config))).start()
-    first = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=timeout_s))
+    first = WeightSyncGroup(GroupConfig(init, 0, 2, timeout_s=timeout_s), listener=listener)
     return first, joined.result(timeout=timeout_s)
+
+
+def test_a_listener_must_be_rank_0s_and_bound_to_the_groups_port() -> None:
+    listener = listen_socket("127.0.0.1", 0)
+    other = free_port()
+    with pytest.raises(GroupError, match=f"bound to port {listener.getsockname()[1]}.*:{other}"):
+        WeightSyncGroup(GroupConfig(f"tcp://127.0.0.1:{other}", 0, 2, timeout_s=5), listener=listener)
+    assert listener.fileno() == -1  # closed: the refused socket is not left bound
+    listener = listen_socket("127.0.0.1", 0)
+    init = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    with pytest.raises(GroupError, match="only rank 0 hosts the store; rank 1"):
+        WeightSyncGroup(GroupConfig(init, 1, 2, timeout_s=5), listener=listener)
+    assert listener.fileno() == -1
 
 
 @pytest.fixture(scope="module")

@@ -226,9 +226,13 @@ class WeightSyncGroup:
     (bounded by ``timeout_s``); :class:`GroupError` otherwise.
 
     Once a collective fails, the group is *broken* (gloo and NCCL cannot resume a group after a
-    failed collective): every later collective raises until a new group is formed."""
+    failed collective): every later collective raises until a new group is formed.
 
-    def __init__(self, config: GroupConfig) -> None:
+    Rank 0 may pass ``listener``, a socket :func:`listen_socket` bound already (to the port of
+    ``config.init_method``): a port chosen by binding to 0 is then held from the choice on, and no
+    other process can take it before the store does. The group takes the socket over."""
+
+    def __init__(self, config: GroupConfig, *, listener: socket.socket | None = None) -> None:
         if not 0 <= config.rank < config.world_size:
             raise GroupError(f"rank {config.rank} outside world of {config.world_size}")
         host, port = parse_init_method(config.init_method)
@@ -238,7 +242,17 @@ class WeightSyncGroup:
         timeout = datetime.timedelta(seconds=config.timeout_s)
         # Rank 0 listens where asked (the store's own listener would take every interface); the
         # store owns the socket from here on and closes it.
-        listen_fd = listen_socket(host, port).detach() if config.rank == 0 else None
+        if listener is not None and config.rank != 0:
+            listener.close()
+            raise GroupError(f"only rank 0 hosts the store; rank {config.rank} was given a listener")
+        if listener is not None and listener.getsockname()[1] != port:
+            bound = listener.getsockname()[1]
+            listener.close()
+            raise GroupError(f"the listener is bound to port {bound}, the group's address is {config.init_method}")
+        if config.rank == 0:
+            listen_fd: int | None = (listener or listen_socket(host, port)).detach()
+        else:
+            listen_fd = None
         try:
             self._store = dist.TCPStore(  # type: ignore[attr-defined]
                 host,

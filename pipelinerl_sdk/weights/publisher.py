@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import socket
 import time
@@ -50,7 +51,7 @@ from pipelinerl_sdk.protocol import (
 )
 from pipelinerl_sdk.weights.auth import group_id, new_group_secret
 from pipelinerl_sdk.weights.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
-from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
+from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup, listen_socket
 from pipelinerl_sdk.weights.send import SendStats, WeightSender, broadcast_flat
 
 
@@ -158,14 +159,17 @@ class WeightPublisher:
         server that failed to join."""
         infos = cast(list[ServerInfo], await _fan_out([c.info() for c in self.clients], self.clients))
         world = 1 + sum(i.receiving_workers for i in infos)
-        port = port or free_port(host)
+        # bound now and held until the store takes it: a port picked by the system and released
+        # could be taken by another process before the group's store binds it
+        listener = listen_socket(host, port)
+        port = listener.getsockname()[1]
         init_method = f"tcp://{host}:{port}"
         offsets = list(itertools.accumulate([1] + [i.receiving_workers for i in infos]))[:-1]
         secret = new_group_secret()
         # signed rendezvous only where every server's workers can verify it
         signed = all(i.signed_rendezvous for i in infos)
         cfg = GroupConfig(init_method, 0, world, backend, group_name, self.timeout_s, secret, signed)
-        own = asyncio.create_task(asyncio.to_thread(WeightSyncGroup, cfg))
+        own = asyncio.create_task(asyncio.to_thread(functools.partial(WeightSyncGroup, cfg, listener=listener)))
         joins = [c.init_process_group(cfg.invitation(off)) for c, off in zip(self.clients, offsets, strict=True)]
         results = await asyncio.gather(*joins, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -32,9 +32,9 @@ compute, float32 master weights and optimizer state; ``param_specs`` and the gat
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,12 +53,6 @@ __all__ = ["HF_FORMATS", "FastLLMTrainer"]
 #: HF ``model_type`` -> Fast-LLM checkpoint format name (its converters).
 HF_FORMATS = {"qwen2": "qwen2", "llama": "llama", "mistral": "mistral"}
 _FL_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _StepLater:
@@ -89,6 +83,7 @@ class FastLLMTrainer(FullParamsOut, TrainerBackend):
         self._schedule: Any = None
         self._inference: Any = None
         self._pool: Any = None
+        self._pool_store: Any = None  # rank 0: the store Fast-LLM's groups rendezvous at
         self._loss: Any = None
         self._format: Any = None
         self._export: Any = None
@@ -109,7 +104,9 @@ class FastLLMTrainer(FullParamsOut, TrainerBackend):
 
     def _process_group_pool(self, timeout_s: float) -> Any:
         """Fast-LLM's pool of process groups for this rank. Fast-LLM builds its groups itself over a
-        TCP store; the rendezvous address comes from rank 0 through the launcher's default group."""
+        TCP store: rank 0 hosts it on a port the system picks (held from then on, so no other
+        process can take it before the ranks connect), and its address reaches the other ranks
+        through the launcher's default group; every rank, rank 0 included, joins it as a client."""
         from fast_llm.engine.distributed.config import DistributedBackend
         from fast_llm.engine.distributed.distributed import ProcessGroupPool
 
@@ -120,18 +117,24 @@ class FastLLMTrainer(FullParamsOut, TrainerBackend):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"trainer group backend {backend!r}: Fast-LLM runs on gloo or nccl")
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        address = [f"tcp://{host}:{_free_port()}" if rank == 0 else ""]
+        address = [""]
         if world > 1:
+            if rank == 0:
+                self._pool_store = dist.TCPStore(  # type: ignore[attr-defined]
+                    host, 0, world, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )  # fmt: skip
+                address = [f"tcp://{host}:{self._pool_store.port}"]
             dist.broadcast_object_list(address, src=0)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if backend == "nccl":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % local_world)))
         else:
             device = torch.device("cpu")
-        # Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes torch's tcp:// rendezvous (Fast-LLM's)
-        # connect every rank as a client to a store the agent hosts: at a fresh address nobody hosts
-        # one and every rank waits forever. This rendezvous is ours, so rank 0 hosts it.
-        agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        # TORCHELASTIC_USE_AGENT_STORE makes torch's tcp:// rendezvous (Fast-LLM's) connect every
+        # rank as a client, as torchrun's ranks connect to the store its agent hosts: here rank 0's.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         try:
             return ProcessGroupPool(
                 rank=rank,
@@ -143,7 +146,9 @@ class FastLLMTrainer(FullParamsOut, TrainerBackend):
                 device=device,
             )
         finally:
-            if agent_store is not None:
+            if agent_store is None:
+                del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+            else:
                 os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
     def init(self, spec: TrainerSpec) -> None:
