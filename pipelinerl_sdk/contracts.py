@@ -96,6 +96,11 @@ class InferenceCapabilities:
     #: The ``--logprobs-mode`` settings (vLLM 0.32's meanings, :data:`LOGPROBS_MODES`) a server of
     #: this backend can be started with; any other is refused at start-up, naming the setting.
     logprobs_modes: frozenset[str] = frozenset({"raw_logprobs"})
+    #: vLLM 0.32's RL API (``/init_weight_transfer_engine``, ``/start_weight_update``,
+    #: ``/update_weights``, ``/finish_weight_update``...) served by the SDK's router onto the SDK's
+    #: update path (:mod:`pipelinerl_sdk.http.vllm_rl`). False where the engine's app keeps routes
+    #: of its own at those paths (vLLM's).
+    vllm_rl_api: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.logprobs_modes) - set(LOGPROBS_MODES)

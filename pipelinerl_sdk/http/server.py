@@ -35,7 +35,6 @@ of waiting for its timeout.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import secrets
@@ -70,6 +69,10 @@ from pipelinerl_sdk.errors import (
 )
 from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost
 from pipelinerl_sdk.http.echo import complete_with_echo
+from pipelinerl_sdk.http.update_door import ControlRefused, UpdateDoor
+from pipelinerl_sdk.http.update_door import trainer_host_allowed as trainer_host_allowed  # re-exported (its old home)
+from pipelinerl_sdk.http.vllm_rl import ROUTES as VLLM_RL_ROUTES
+from pipelinerl_sdk.http.vllm_rl import serve_vllm_rl
 from pipelinerl_sdk.protocol import (
     ApplyFloorRequest,
     ApplyFloorResponse,
@@ -84,7 +87,6 @@ from pipelinerl_sdk.protocol import (
     TokenizeCompletionRequest,
     UpdateEvent,
     WeightUpdateRequest,
-    parse_init_method,
 )
 
 log = logging.getLogger("pipelinerl_sdk.server")
@@ -149,7 +151,10 @@ ERROR_STATUS: tuple[tuple[type[PipelineRLError], int, str], ...] = (
 
 
 def status_of(e: PipelineRLError) -> tuple[int, str]:
-    """(HTTP status, error type) of ``e`` by :data:`ERROR_STATUS`."""
+    """(HTTP status, error type) of ``e`` by :data:`ERROR_STATUS` (a :class:`ControlRefused`
+    carries its own)."""
+    if isinstance(e, ControlRefused):
+        return e.status, e.kind
     for cls, status, kind in ERROR_STATUS:
         if isinstance(e, cls):
             return (e.status if isinstance(e, UpdateRejected) else status), kind
@@ -247,41 +252,9 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def trainer_host_allowed(init_method: str, allowed: tuple[str, ...]) -> bool:
-    """Whether a server may join a store at ``init_method``: loopback, or a host in ``allowed``."""
-    host, _ = parse_init_method(init_method)
-    if host.lower() == "localhost" or host in allowed:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def served_model_name(model: str) -> str:
     """The name a server shows for its model: the last component of a path, never the path."""
     return PurePath(model).name or model
-
-
-class _ControlSlot:
-    """One control operation at a time; a second caller is refused (409), not queued."""
-
-    def __init__(self) -> None:
-        self.busy: str | None = None
-        #: The update holding the slot, if one does.
-        self.update: asyncio.Task[Any] | None = None
-
-    def take(self, what: str) -> None:
-        if self.busy is not None:
-            raise HTTPError(
-                409,
-                f"another control operation is running ({self.busy}); retry after it",
-                kind="conflict",
-            )
-        self.busy = what
-
-    def release(self) -> None:
-        self.busy, self.update = None, None
 
 
 def build_router(
@@ -318,8 +291,9 @@ def build_router(
     read = _bearer_guard((api_key, control_token) if api_key else (), "this route")
     open_: Guard = _bearer_guard((), "")
     by_access = {"open": open_, "read": read, "control": control, "openai": openai}
-    guards = {path: by_access[access] for path, access in ROUTES.items()}
-    slot = _ControlSlot()
+    guards = {path: by_access[access] for path, access in {**ROUTES, **VLLM_RL_ROUTES}.items()}
+    door = UpdateDoor(backend, trainer_hosts=trainer_hosts)
+    slot = door.slot
     router = APIRouter(route_class=_guarded_route(guards, limits.max_body_bytes))
     if logprobs_mode not in backend.capabilities.logprobs_modes:
         raise ValueError(
@@ -363,82 +337,30 @@ def build_router(
 
     @router.post("/init_process_group")
     async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
-        if not trainer_host_allowed(req.init_method, trainer_hosts):
-            raise HTTPError(
-                403,
-                f"init_method {req.init_method!r}: not a trainer host this server may join (loopback, or a host "
-                "named at start-up with --allow-trainer-host)",
-                kind="permission_error",
-                field="init_method",
-            )
-        if req.rank_offset + backend.receiving_workers > req.world_size:
-            raise InvalidRequest(
-                f"rank_offset {req.rank_offset} + this server's {backend.receiving_workers} receiving worker(s) "
-                f"is past world_size {req.world_size}",
-                field="rank_offset",
-            )
-        if req.signed_rendezvous and not backend.signs_rendezvous:
-            raise InvalidRequest(
-                f"signed_rendezvous: this {backend.name} server's engine forms the group with its own code, "
-                "which cannot sign the rendezvous",
-                field="signed_rendezvous",
-            )
-        pending = slot.update
-        if pending is not None and backend.cancel_waiting_update("a new /init_process_group replaced the group"):
-            await asyncio.wait({pending}, timeout=30)  # it ends at once: it never entered a receive
-        slot.take("init_process_group")
-        try:
-            resp = await backend.init_process_group(req)
-        finally:
-            slot.release()
-        return resp.model_dump()
+        return (await door.join(req)).model_dump()
 
     @router.post("/request_weight_update")
     async def request_weight_update(req: WeightUpdateRequest) -> StreamingResponse:
-        at = {"at_request": time.time()}  # the router's phases (protocol.SERVER_PHASES)
-        slot.take(f"weight update to version {req.version}")
-        try:
-            backend.validate_update(req)
-        except BaseException:
-            slot.release()
-            raise
-        at["at_validated"] = time.time()
-        mode = req.mode or backend.default_mode
-        loop = asyncio.get_running_loop()
-        accepted = asyncio.Event()
-        started = time.perf_counter()
-
-        def on_accepted() -> None:
-            loop.call_soon_threadsafe(accepted.set)
-
-        # The update runs as its own task: a client that disconnects cannot cancel a receive
-        # half-way. The slot is released only when the update has really ended.
-        task = asyncio.create_task(backend.update_weights(req, mode, on_accepted))
-        slot.update = task
-        task.add_done_callback(lambda _: slot.release())
+        run = door.start(req)
 
         async def events() -> AsyncIterator[bytes]:
-            waiter = asyncio.create_task(accepted.wait())
-            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if accepted.is_set():
-                at["at_accepted"] = time.time()
-                yield _line(UpdateEvent(event="accepted", version=req.version, mode=mode))
+            if await run.wait_accepted():
+                yield _line(UpdateEvent(event="accepted", version=req.version, mode=run.mode))
             try:
-                report = await asyncio.shield(task)
+                report = await asyncio.shield(run.task)
             except Exception as e:
                 log.warning("weight update to version %d failed: %s", req.version, e)
                 yield _line(
                     UpdateEvent(
                         event="error",
                         version=req.version,
-                        mode=mode,
+                        mode=run.mode,
                         detail=f"{type(e).__name__}: {e}",
-                        timings={"total_s": time.perf_counter() - started},
+                        timings={"total_s": time.perf_counter() - run.started},
                     )
                 )
                 return
-            timings = {**report.timings(), **at, "at_done": time.time()}
+            timings = {**report.timings(), **run.at, "at_done": time.time()}
             yield _line(UpdateEvent(event="done", version=report.version, mode=report.mode, timings=timings))
 
         return StreamingResponse(events(), media_type="application/x-ndjson")
@@ -578,6 +500,8 @@ def build_router(
             raise HTTPError(400, str(e)) from e
         return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
+    if backend.capabilities.vllm_rl_api:  # vLLM's RL API onto the same update path
+        serve_vllm_rl(router, backend, door)
     if pipelinerl_group is not None:
         _serve_pipelinerl_trainer(router, guards, pipelinerl_group, control_token)
     return router

@@ -62,7 +62,9 @@ class PendingUpdate(Protocol):
 
     url: str
     accepted: asyncio.Future[UpdateEvent]
-    final: asyncio.Future[UpdateEvent]
+
+    @property
+    def final(self) -> asyncio.Future[UpdateEvent]: ...
 
     async def cancel(self) -> None:
         """Give up on the call (close its stream)."""

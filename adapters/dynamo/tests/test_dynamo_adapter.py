@@ -277,6 +277,19 @@ def test_native_flow_anchor_updates_every_worker(dynamo_server: ServerProcess, t
 
 
 @requires_dynamo
+def test_vllms_own_trainer_code_updates_both_workers_while_requests_run(
+    dynamo_server: ServerProcess, tiny_model: Path
+) -> None:
+    """vLLM's trainer-side code, unchanged, through vLLM's RL routes of the SDK's Dynamo server
+    (both workers join: world size 3), while requests run: see
+    :func:`pipelinerl_sdk_vllm.testing.vllm_trainer_updates_while_requests_run`. Before the dead
+    worker's test, which kills one."""
+    from pipelinerl_sdk_vllm.testing import vllm_trainer_updates_while_requests_run
+
+    vllm_trainer_updates_while_requests_run(dynamo_server.url, dynamo_server.control_token, tiny_model)
+
+
+@requires_dynamo
 def test_a_dead_worker_is_reported_not_dropped(dynamo_server: ServerProcess) -> None:
     """Last in the module: kill worker 1. ``/info`` still lists it, ``dead``, with why; the
     group (joined by the previous test) is reported broken."""

@@ -20,13 +20,15 @@ from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 #: - prompt logprobs and top logprobs come from vLLM's own sampler;
 #: - streamed chat and completions, and ``/v1/completions`` with per-token versions (the SDK's
 #:   route in place of vLLM's own);
-#: - every ``--logprobs-mode`` (vLLM's own, passed through; -inf reported as vLLM's server does).
+#: - every ``--logprobs-mode`` (vLLM's own, passed through; -inf reported as vLLM's server does);
+#: - vLLM's RL API is vLLM's own (under ``VLLM_SERVER_DEV_MODE=1``), not the SDK's front.
 CAPABILITIES = dataclasses.replace(
     full_capabilities("direct", "staged"),
     streaming=True,
     completions=True,
     structured_outputs=True,
     logprobs_modes=frozenset(LOGPROBS_MODES),
+    vllm_rl_api=False,
 )
 
 CARD = EngineCard(

@@ -67,7 +67,9 @@ class PipelineRLInitInfo(WeightTransferInitInfo):
 @dataclass
 class PipelineRLUpdateInfo(WeightTransferUpdateInfo):
     """``op``: ``receive`` (arm the staged receive of ``version``), ``probe`` (receive one flat
-    broadcast of ``nbytes`` and discard it) or ``discard`` (drop a staged update).
+    broadcast of ``nbytes`` and discard it), ``discard`` (drop a staged update) or ``await``
+    (block until the armed receive ended; raise if it failed: vLLM's flow calls it before
+    ``finish_weight_update``).
 
     ``blocking``: receive on the calling (RPC) thread and return once every bucket arrived, as
     vLLM's built-in engines do (generation stops meanwhile). Only the benchmark's native-flow
@@ -81,6 +83,12 @@ class PipelineRLUpdateInfo(WeightTransferUpdateInfo):
     nbytes: int = 0
     probe_id: int = 0
     blocking: bool = False
+    #: Sent by the SDK's trainer side of vLLM's flow (``pipelinerl_sdk.http.vllm_flow``): checked
+    #: before the receive is armed (an update for another group or another bucket plan is refused).
+    group_id: str | None = None
+    plan_digest: str | None = None
+    #: The SDK's receive mode; this engine always stages (``staged``), so any is accepted.
+    mode: str | None = None
 
 
 @dataclass
@@ -124,6 +132,8 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         #: buffer still holds them: what :meth:`apply_floor` re-applies. Cleared as soon as any
         #: receive (an update's or a probe's) may write into the staging buffer.
         self.applied: StagedWeights | None = None
+        #: The model's params under HF names: their shapes (read once, from the model's config).
+        self._expected: dict[str, tuple[int, ...]] | None = None
         self._lock = threading.Lock()
 
     # --- phase 1: the group -----------------------------------------------------------------------
@@ -159,6 +169,9 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             self._wait_idle()
             self.job = None
             return
+        if op == "await":
+            self._await_job(update_info)
+            return
         if self.receiver is None:
             raise RuntimeError("pipelinerl weight transfer: no group; call init_weight_transfer_engine first")
         if self.job is not None and self.job.state in ("deciding", "receiving"):
@@ -169,6 +182,7 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         if op == "receive":
             specs = [ParamSpec(name=n, dtype=d, shape=tuple(s)) for n, d, s in update_info.params]
             plan = BucketPlan.build(specs, update_info.bucket_bytes)
+            self._check_ids(update_info, specs, plan)
             job = _Job("update", update_key(update_info.version))
 
             def work() -> None:
@@ -221,6 +235,39 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
             return
         job.thread = threading.Thread(target=run, name=f"pipelinerl-receive-{job.key}", daemon=True)
         job.thread.start()
+
+    def _check_ids(self, info: PipelineRLUpdateInfo, specs: list[ParamSpec], plan: BucketPlan) -> None:
+        """Refuse (ValueError, before the receive is armed) an update for another group, whose
+        sender planned other buckets, or naming a param the model does not hold (under HF names)
+        or with another shape."""
+        if self._expected is None:
+            from pipelinerl_sdk.weights.tensors import hf_param_specs
+
+            self._expected = {p.name: p.shape for p in hf_param_specs(self.model_config.model, "float32")}
+        for i, p in enumerate(specs):
+            want = self._expected.get(p.name)
+            if want is None:
+                raise ValueError(f"params[{i}].name: unknown param {p.name!r}")
+            if tuple(p.shape) != tuple(want):
+                raise ValueError(f"params[{i}].shape: param {p.name!r} has shape {list(want)}, got {list(p.shape)}")
+        group = self.group
+        if info.group_id is not None and group is not None and info.group_id != group.group_id:
+            raise ValueError(f"group_id {info.group_id!r}: this worker is in group {group.group_id!r}")
+        if info.plan_digest is not None and info.plan_digest != plan.digest():
+            raise ValueError(f"plan_digest {info.plan_digest!r}: the params and bucket_bytes plan {plan.digest()!r}")
+
+    def _await_job(self, info: PipelineRLUpdateInfo) -> None:
+        """Block until the current receive ended (each bucket bounded by the group's timeout);
+        RuntimeError if it failed, or none is armed, or it is another version's."""
+        job = self.job
+        if job is None or job.kind != "update":
+            raise RuntimeError("pipelinerl weight transfer: 'await' with no receive armed")
+        if info.version and job.key != update_key(info.version):
+            raise RuntimeError(f"pipelinerl weight transfer: 'await' of version {info.version}, armed: {job.key}")
+        if job.thread is not None:
+            job.thread.join()
+        if job.state != "received":
+            raise RuntimeError(f"pipelinerl weight transfer: receive of {job.key} failed: {job.error}")
 
     def finish_weight_update(self) -> None:
         """Apply the staged update if it arrived complete; otherwise change nothing.

@@ -1,6 +1,7 @@
 """``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process it starts
 (API server, engine core, workers), so the SDK's weight-transfer engine can be created wherever
-vLLM builds one, and the CPU mend below is in place wherever vLLM's model runner is loaded.
+vLLM builds one (and its trainer side, :mod:`pipelinerl_sdk_vllm.trainer_engine`, wherever a
+trainer loads vLLM's plugins), and the CPU mend below is in place wherever vLLM's model runner is loaded.
 Idempotent and light: the engine module is imported only when vLLM creates it, the model runner
 is mended only once some process imports it (:class:`_MendOnImport`).
 
@@ -37,14 +38,17 @@ MENDED = "_pipelinerl_cpu_generator_mend"
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     mend_cpu_generator_rewind()
-    if BACKEND_NAME in WeightTransferEngineFactory._registry:
-        return
-    WeightTransferEngineFactory.register_engine(
-        BACKEND_NAME, "pipelinerl_sdk_vllm.transfer", "PipelineRLWeightTransferEngine"
-    )
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND_NAME, "pipelinerl_sdk_vllm.transfer", "PipelineRLWeightTransferEngine"
+        )
+    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # a trainer's load_general_plugins()
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND_NAME, "pipelinerl_sdk_vllm.trainer_engine", "PipelineRLTrainerWeightTransferEngine"
+        )
 
 
 def mend_cpu_generator_rewind() -> None:

@@ -699,6 +699,61 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
         trainer.close()
 
 
+@requires_vllm
+def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_engine(
+    vllm_server: ServerProcess, tiny_model: Path
+) -> None:
+    """vLLM's trainer-side code and HTTP client, unchanged, against vLLM's own RL routes (dev
+    mode, no SDK route on the way), over the adapter's ``pipelinerl`` engines on both sides: the
+    weights arrive (logprobs equal the trainer's, fp32: 1e-4) and vLLM's /weight_info names the
+    version; an update for params vLLM does not hold is refused by the worker engine before any
+    byte (vLLM answers it as a bare 500) and the weights served stay."""
+    from pipelinerl_sdk_vllm.trainer_engine import PipelineRLTrainerInitInfo
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from pipelinerl_sdk.conformance.mirror import Mirror
+    from pipelinerl_sdk.errors import FanOutError
+
+    mirror = Mirror(tiny_model, "float32")
+    url = vllm_server.url
+    world = httpx.get(f"{url}/get_world_size", timeout=10).json()["world_size"]
+    engine = WeightTransferTrainerFactory.trainer_init(
+        PipelineRLTrainerInitInfo(world_size=1 + world, rank=0, bucket_bytes=1 << 20, timeout_s=60, first_version=100),
+        client=HTTPVLLMWeightSyncClient(url, timeout=120),
+        source=ModuleSource(mirror.model),
+    )
+
+    def served() -> torch.Tensor:
+        body = {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": True, "return_token_ids": True}
+        out = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        choice = out["choices"][0]
+        want = mirror.logprobs(out["prompt_token_ids"] + choice["token_ids"])[-len(choice["token_ids"]) :]
+        return (torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]]) - want).abs().max()
+
+    try:
+        mirror.perturb(seed=21, scale=0.05)
+        engine.send_weights()
+        assert served() < 1e-4
+        assert httpx.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": "100"}
+        held = mirror.state()
+        with torch.no_grad():  # a param vLLM does not hold: refused by vLLM's worker, no byte sent
+            mirror.model.lm_head.register_parameter("extra", torch.nn.Parameter(torch.zeros(4)))
+        # vLLM's route answers the worker's refusal (ValueError naming the param) as a bare 500:
+        # vLLM's own answer, with the reason in its log only
+        with pytest.raises(FanOutError, match=r"update_weights \(receive\).*500"):
+            engine.send_weights()
+        assert "params[" in vllm_server.log_path.read_text() and "unknown param 'lm_head.extra'" in (
+            vllm_server.log_path.read_text()
+        )
+        del mirror.model.lm_head.extra
+        mirror.load(held)
+        assert served() < 1e-4
+    finally:
+        engine.shutdown()
+
+
 # --- the engine's apply floor and the timeline of one update (issue 18) ------------------------------
 
 
