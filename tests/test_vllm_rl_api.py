@@ -87,6 +87,8 @@ def test_vllms_flow_updates_the_server_while_requests_run(server: ServerProcess,
         assert any(len(set(t)) > 1 for t in tags), f"no call crossed an update: {[sorted(set(t)) for t in tags]}"
         _serves(server, mirror, 3)
         assert _weight_version(server) == "3"  # finish_weight_update's label: the version's string
+        last = flow.publisher.last  # the await answer carries the update's timings
+        assert last is not None and {"pause_s", "receive_s", "apply_s"} <= set(last.events[server.url].timings)
 
         # refused before any byte (a param the server does not hold): the old weights serve on,
         # the session is closed, and the next update goes through on the same group

@@ -38,6 +38,11 @@ second. Tokens count only requests that finish inside a window. ``under_load`` h
 of the updates published during the second window. Updates resend the trainer's unchanged weights
 (the transfer and apply are the same work); versions increase strictly across the whole run.
 
+Last, where the server declares ``vllm_rl_api``: mode ``vllm_rl_api``, the same updates driven
+through vLLM's RL routes the SDK serves (:mod:`pipelinerl_sdk.http.vllm_flow`, its own group), in
+the server's default mode, with ``vs_sdk`` (its update wall, pause and tokens/s over that mode's)
+and the target ``VLLM_RL_API_TARGET`` (1.05) on the first two.
+
 Anchors (registered with the backend, ``bench_anchor``), two shapes: an engine flow that can
 drive the SDK's own server and group (a ``NativeUpdateFlow``, vLLM's) is measured as mode
 ``native``, exactly like the SDK's modes (idle updates and tokens/s under load); an engine flow
@@ -112,6 +117,9 @@ TARGET_MODES: dict[str, tuple[ReceiveMode, ...]] = {
     "pause_over_apply_floor": ("staged",),
     "tokens_per_s_ratio_updating": MODES,
 }
+#: The update wall time and pause through vLLM's RL API over the SDK's own routes' (same server,
+#: same mode): at most this.
+VLLM_RL_API_TARGET = 1.05
 #: Targets bounded from below; the others from above.
 AT_LEAST = frozenset({"tokens_per_s_ratio_updating"})
 
@@ -272,6 +280,21 @@ async def _bench(
                     modes[mode]["meets_targets"]["no_slower_than_native"] = (
                         modes[mode]["update_wall_s"] <= modes["native"]["update_wall_s"]
                     )
+        if info.capabilities.get("vllm_rl_api") and info.default_mode in modes:
+            flat_s = statistics.median(send for send, _ in probes)
+            modes["vllm_rl_api"] = await _bench_vllm_rl_api(
+                server, trainer, specs, info.receiving_workers, bucket_bytes, bench_mode, flat_s
+            )
+            sdk_figures: dict[str, Any] = modes[info.default_mode]
+            front_figures: dict[str, Any] = modes["vllm_rl_api"]
+            vs_sdk: dict[str, Any] = {"mode": info.default_mode}
+            for key in ("update_wall_s", "pause_s", "tokens_per_s_updating"):
+                vs_sdk[key] = _ratio(front_figures[key], sdk_figures[key])
+            front_figures["vs_sdk"] = vs_sdk
+            front_figures["meets_targets"] = {
+                f"{key}_within_{VLLM_RL_API_TARGET}_of_sdk": (vs_sdk[key] or float("inf")) <= VLLM_RL_API_TARGET
+                for key in ("update_wall_s", "pause_s")
+            }
         return {
             "model_bytes": model_bytes,
             "memcpy_s": memcpy_s,
@@ -299,6 +322,40 @@ async def _bench(
         await publisher.close()
         await client.aclose()
         trainer.close()
+
+
+async def _bench_vllm_rl_api(
+    server: ServerProcess,
+    trainer: ReferenceTrainer,
+    specs: Sequence[ParamSpec],
+    receiving_workers: int,
+    bucket_bytes: int,
+    bench_mode: Callable[..., Awaitable[dict[str, Any]]],
+    flat_s: float,
+) -> dict[str, Any]:
+    """The same updates through vLLM's RL API on the same server (:mod:`pipelinerl_sdk.http.vllm_flow`:
+    ``start_weight_update``, ``update_weights`` receive, the broadcast, ``await``,
+    ``finish_weight_update``), in the server's default mode. It forms its own group (the server
+    leaves the SDK publisher's), so it runs last; its flat broadcast is the SDK modes' median."""
+    from pipelinerl_sdk.http.vllm_flow import ControlTokenClient, VLLMFlowLink
+
+    client = ControlTokenClient(server.url, server.control_token)
+    front = WeightPublisher([VLLMFlowLink(client, receiving_workers=receiving_workers)], bucket_bytes=bucket_bytes)
+    try:
+        await front.connect()
+
+        async def via_front(version: int) -> UpdateRecord:
+            return await _publish(front, trainer, specs, version)
+
+        async def same_flat() -> float:
+            return flat_s
+
+        figures = await bench_mode(via_front, probe=same_flat)
+    finally:
+        await front.close()
+        client.close()
+    figures["flow"] = "vLLM 0.32's RL routes served by the SDK: start, update_weights receive, broadcast, await, finish"
+    return figures
 
 
 def _memcpy_seconds(nbytes: int, threads: int, repeats: int = 5) -> float:

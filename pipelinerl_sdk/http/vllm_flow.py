@@ -64,6 +64,9 @@ class ControlTokenClient:
 
     def __init__(self, base_url: str, control_token: str, *, timeout_s: float = 300.0) -> None:
         self.url = base_url.rstrip("/")
+        #: The JSON body of the last call's answer (an SDK server's ``await`` carries the update's
+        #: ``timings`` there).
+        self.last_answer: dict[str, Any] = {}
         self._http = httpx.Client(
             base_url=self.url, timeout=timeout_s, headers={"Authorization": f"Bearer {control_token}"}
         )
@@ -76,6 +79,10 @@ class ControlTokenClient:
             except (ValueError, KeyError, TypeError):
                 message = r.text[:500]
             raise ServerError(self.url, f"POST {path}: {r.status_code} {message}", status=r.status_code)
+        try:
+            self.last_answer = r.json()
+        except ValueError:
+            self.last_answer = {}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -152,11 +159,13 @@ class _FlowCall:
             await asyncio.to_thread(self._client.update_weights, {"op": "await", "version": version})
         except Exception as e:  # the update failed; its session is closed
             raise self._error(e, "update_weights (await)") from e
+        answer = getattr(self._client, "last_answer", None)  # ControlTokenClient keeps it
+        timings = answer.get("timings") if isinstance(answer, dict) else None
         try:
             await asyncio.to_thread(self._client.finish_weight_update, str(version))
         except Exception as e:
             raise self._error(e, "finish_weight_update") from e
-        return UpdateEvent(event="done", version=version)
+        return UpdateEvent(event="done", version=version, timings=timings or {})
 
     async def cancel(self) -> None:
         """Nothing to close: each call is one request, which ends by itself."""

@@ -22,6 +22,9 @@ unauthenticated under ``VLLM_SERVER_DEV_MODE``; the SDK never does):
     does when ``update_weights`` raises);
   - ``await``: answers once the armed update is live, or with its error (old weights serving).
 
+  Answered ``{"message": "Weights updated"}`` as vLLM; once the update is live (``await``, or
+  ``receive`` with ``blocking``) also its ``version`` and ``timings`` (the SDK's ``done`` event's).
+
 - ``POST /finish_weight_update {"weight_version": str | null}``: waits for the session's update to
   end (one still waiting for the trainer's decision is called off), closes the session; the
   version label is set if the update is live (or there was none);
@@ -46,7 +49,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from pipelinerl_sdk.contracts import InferenceBackend
+from pipelinerl_sdk.contracts import InferenceBackend, UpdateReport
 from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.http.update_door import ControlRefused, UpdateDoor, UpdateRun
 from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, WeightUpdateRequest
@@ -163,7 +166,7 @@ class VLLMRLFront:
                     await asyncio.shield(session.run.task)  # raises why it was refused
                     raise InvalidRequest("update_info: the update ended before it was armed", field="update_info")
                 if info.get("blocking"):
-                    await asyncio.shield(session.run.task)
+                    return _done(session.run, await asyncio.shield(session.run.task))
             elif op == "await":
                 run = session.run
                 if run is None:
@@ -173,7 +176,7 @@ class VLLMRLFront:
                         f"update_info.version: {info['version']!r}, the armed update is version {run.version}",
                         field="update_info.version",
                     )
-                await asyncio.shield(run.task)
+                return _done(run, await asyncio.shield(run.task))
             else:
                 raise InvalidRequest(
                     f"update_info.op: {op!r}; this server serves 'receive' and 'await'", field="update_info.op"
@@ -265,6 +268,12 @@ class VLLMRLFront:
             return WeightUpdateRequest.model_validate(fields)
         except ValidationError as e:
             raise _invalid(e, "update_info") from None
+
+
+def _done(run: UpdateRun, report: UpdateReport) -> dict[str, Any]:
+    """vLLM's answer, plus what the SDK's ``done`` event carries (a client ignores keys it does
+    not know): the version now served and the update's ``timings``."""
+    return {"message": "Weights updated", "version": report.version, "timings": {**report.timings(), **run.at}}
 
 
 def _embedded(body: Any, name: str, *, required: bool = True) -> Any:
