@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -37,12 +38,26 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pipelinerl_sdk.errors import PipelineRLError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["RankContext", "RankError", "RankTeardownWarning", "RankTimeout", "init_from_env", "run_ranks"]
 
 A = TypeVar("A")
 R = TypeVar("R")
 
 DistBackend = Literal["gloo", "nccl"]
+#: Tries of a group whose rendezvous failed for a network reason (:data:`TRANSIENT_RENDEZVOUS`),
+#: as torchrun's agent restarts a group: every rank is connected (a barrier) before any runs ``fn``.
+RENDEZVOUS_ATTEMPTS = 3
+#: What a rendezvous failure of the network's says (gloo's full-mesh connect to a peer whose
+#: connection another process on the machine disturbed; a port taken).
+TRANSIENT_RENDEZVOUS = (
+    "DistNetworkError",
+    "connectFullMesh failed",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "EADDRINUSE",
+)
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -62,13 +77,23 @@ class RankContext:
 class RankError(PipelineRLError):
     """A rank of a :func:`run_ranks` group failed. ``rank`` names it; ``remote_traceback`` is its
     formatted Python traceback (empty when it died without one, e.g. killed by a signal);
-    ``others`` describes further ranks that failed afterwards (usually because a peer was gone)."""
+    ``others`` describes further ranks that failed afterwards (usually because a peer was gone);
+    ``in_rendezvous``: it failed while the group formed, before any rank ran ``fn``."""
 
-    def __init__(self, message: str, *, rank: int, remote_traceback: str = "", others: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        remote_traceback: str = "",
+        others: tuple[str, ...] = (),
+        in_rendezvous: bool = False,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.others = others
+        self.in_rendezvous = in_rendezvous
 
 
 class RankTeardownWarning(RuntimeWarning):
@@ -175,15 +200,19 @@ def _rank_main(rank: int, job: _Job[Any, Any]) -> None:
     try:
         import torch.distributed as dist
 
+        phase = "rendezvous"
         try:
             ctx = init_from_env(job.backend, timeout_s=job.init_timeout_s)
+            if job.world_size > 1:
+                dist.barrier()  # no rank runs fn before every rank is connected
+            phase = "fn"
             result = job.fn(ctx, job.arg)
             payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as e:
             # Record it before the group goes away: destroying it makes the peers fail too, and
             # the parent names the rank whose failure was recorded first.
             failed = True
-            _write_error(out, rank, e)
+            _write_error(out, rank, e, phase=phase)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -196,8 +225,14 @@ def _rank_main(rank: int, job: _Job[Any, Any]) -> None:
     _write_atomic(out / f"rank{rank}.ok", payload)
 
 
-def _write_error(out: Path, rank: int, e: BaseException) -> None:
-    report = {"time": time.time(), "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+def _write_error(out: Path, rank: int, e: BaseException, *, phase: str = "fn") -> None:
+    report = {
+        "time": time.time(),
+        "type": type(e).__name__,
+        "message": str(e),
+        "traceback": traceback.format_exc(),
+        "phase": phase,
+    }
     _write_atomic(out / f"rank{rank}.err", json.dumps(report).encode())
 
 
@@ -256,12 +291,48 @@ def run_ranks(
       returned and a :class:`RankTeardownWarning` names the rank and how it ended;
     - after ``timeout_s`` (from the start, process start-up included) every rank still running is
       killed and :class:`RankTimeout` names them;
+    - every rank is connected (a barrier after the group's init) before any runs ``fn``; a group
+      whose rendezvous failed for a network reason (:data:`TRANSIENT_RENDEZVOUS`: on a busy
+      machine another process's traffic can close a gloo peer's connection) is formed again with
+      fresh ranks and a fresh store, up to :data:`RENDEZVOUS_ATTEMPTS` tries within ``timeout_s``
+      (logged), as torchrun's agent restarts a group; any other failure raises at once;
     - on return or raise no process of the group is left running.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _run_group(world_size, fn, arg, timeout_s=timeout_s, deadline=deadline, backend=backend)
+        except RankError as e:
+            if not (e.in_rendezvous and _transient(e)) or attempt == RENDEZVOUS_ATTEMPTS:
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("trainer group of %d: its rendezvous failed (attempt %d), forming it again: %s",
+                        world_size, attempt, str(e).split("\n", 1)[0])  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+def _transient(e: RankError) -> bool:
+    """A rendezvous failure of the network's (a peer's connection closed or reset, a port taken),
+    not of the job's (a backend this machine lacks)."""
+    first = str(e).split("\n", 1)[0]
+    return any(m in first for m in TRANSIENT_RENDEZVOUS)
+
+
+def _run_group(
+    world_size: int,
+    fn: Callable[[RankContext, A], R],
+    arg: A,
+    *,
+    timeout_s: float,
+    deadline: float,
+    backend: DistBackend,
+) -> list[R]:
+    """One try of :func:`run_ranks`: a fresh store and fresh ranks, up to ``deadline``."""
     import torch.distributed as dist
     import torch.multiprocessing as tmp
 
@@ -272,7 +343,6 @@ def run_ranks(
     )  # fmt: skip
     outdir = Path(tempfile.mkdtemp(prefix="pipelinerl-ranks-"))
     job: _Job[A, R] = _Job(fn, arg, world_size, store.port, backend, str(outdir), init_timeout_s=timeout_s)
-    deadline = time.monotonic() + timeout_s
     procs = [
         ctx.Process(target=_rank_main, args=(rank, job), name=f"rank{rank}", daemon=False) for rank in range(world_size)
     ]
@@ -300,7 +370,7 @@ def run_ranks(
                 if procs[rank].exitcode != 0:
                     how = _exit_description(procs[rank].exitcode)
                     message = f"rank {rank} of {world_size} wrote its result, then {how} while exiting; result kept"
-                    warnings.warn(RankTeardownWarning(message), stacklevel=2)
+                    warnings.warn(RankTeardownWarning(message), stacklevel=3)
         return [pickle.loads((outdir / f"rank{rank}.ok").read_bytes()) for rank in range(world_size)]
     finally:
         _kill_all(procs)
@@ -325,22 +395,24 @@ def _kill_all(procs: list[Any]) -> None:
 def _failure(outdir: Path, procs: list[Any], world_size: int) -> RankError:
     """The error for a failed group: the earliest Python exception (by the time the rank recorded
     it) is the cause; ranks that died without one come after every rank that raised."""
-    reports: list[tuple[float, int, str, str]] = []
+    reports: list[tuple[float, int, str, str, str]] = []
     for rank, p in enumerate(procs):
         err = _read_error(outdir, rank)
         if err is not None:
             summary = f"{err['type']}: {err['message']}"
-            reports.append((float(err["time"]), rank, summary, str(err["traceback"])))
+            phase = str(err.get("phase", "fn"))
+            reports.append((float(err["time"]), rank, summary, str(err["traceback"]), phase))
         elif p.exitcode not in (0, None) and not (outdir / f"rank{rank}.ok").is_file():
-            reports.append((float("inf"), rank, f"{_exit_description(p.exitcode)} without a Python exception", ""))
+            how = f"{_exit_description(p.exitcode)} without a Python exception"
+            reports.append((float("inf"), rank, how, "", "unknown"))
     if not reports:  # exit code 0 but no result: cannot happen unless the result file vanished
         return RankError(f"a rank of {world_size} ended without a result", rank=-1)
     reports.sort()
-    _, rank, summary, tb = reports[0]
-    others = tuple(f"rank {r}: {s}" for _, r, s, _ in reports[1:])
+    _, rank, summary, tb, phase = reports[0]
+    others = tuple(f"rank {r}: {s}" for _, r, s, _, _ in reports[1:])
     message = f"rank {rank} of {world_size} failed: {summary}"
     if tb:
         message += f"\n\nTraceback from rank {rank}:\n{tb.rstrip()}"
     if others:
         message += "\n\nthen: " + "; ".join(others)
-    return RankError(message, rank=rank, remote_traceback=tb, others=others)
+    return RankError(message, rank=rank, remote_traceback=tb, others=others, in_rendezvous=phase == "rendezvous")

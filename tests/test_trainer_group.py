@@ -189,3 +189,42 @@ def test_same_code_runs_under_torchrun(tmp_path: Path) -> None:
         {"rank": 0, "world_size": 2, "sum": 3.0, "backend": "gloo"},
         {"rank": 1, "world_size": 2, "sum": 3.0, "backend": "gloo"},
     ], proc.stdout
+
+
+def test_a_group_whose_rendezvous_failed_for_a_network_reason_is_formed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first try's gloo connect is disturbed (as another process's traffic did on a busy CI
+    machine): the group is formed again and the results come back; a rendezvous failure of the
+    job's own (no CUDA for nccl) and any failure in ``fn`` are raised at the first try."""
+    from pipelinerl_sdk import trainer_group
+
+    real = trainer_group._run_group
+    tries: list[int] = []
+    disturb = [True]
+
+    def disturbed_once(*args: object, **kwargs: object) -> object:
+        tries.append(1)
+        if disturb.pop() if disturb else False:
+            raise RankError(
+                "rank 2 of 2 failed: RuntimeError: Gloo connectFullMesh failed with [...] Connection closed by peer",
+                rank=1,
+                in_rendezvous=True,
+            )
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trainer_group, "_run_group", disturbed_once)
+    assert run_ranks(2, _all_reduce, 1.0, timeout_s=120) == [[1.0 + 2.0, 30.0], [1.0 + 2.0, 30.0]]
+    assert len(tries) == 2
+
+    tries.clear()
+    with pytest.raises(RankError) as err:
+        run_ranks(2, _raise_on_rank_1, None, timeout_s=120)
+    assert len(tries) == 1 and not err.value.in_rendezvous
+    import torch
+
+    if not torch.cuda.is_available():
+        tries.clear()
+        with pytest.raises(RankError) as err:
+            run_ranks(2, _whoami, "x", timeout_s=120, backend="nccl")
+        assert len(tries) == 1 and err.value.in_rendezvous, str(err.value)

@@ -65,6 +65,13 @@ def stop_string_of(text: str) -> tuple[str, int]:
 
 #: A greedy request of ``TOKENS`` tokens (``messages`` added by the caller).
 GREEDY: dict[str, Any] = {"max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+#: The prompts ``test_stop_token_ids_end_as_vllm`` tries, in order, for a greedy path it can use.
+STOP_TOKEN_PROMPTS: tuple[list[dict[str, str]], ...] = (
+    PROMPT,
+    [{"role": "user", "content": "Name three colours of the rainbow."}],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+    [{"role": "user", "content": "List the days of the week."}],
+)
 
 #: The penalty cases: each penalty alone, then all three together (where their order matters).
 PENALTIES: dict[str, dict[str, Any]] = {
@@ -320,19 +327,26 @@ class GenerationChecks:
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                ids = list((await _one(client)).token_ids or [])
-                ends = [i for i, t in enumerate(ids) if t in eos]
-                k = next(
-                    (j for j in range(3, min(ends or [len(ids)])) if ids[j] not in ids[:j]),
-                    None,
-                )
+                # The first prompt whose greedy path has a new token past the third: the weights
+                # served (other checks update them) may make one prompt's path a short cycle.
+                paths = []
+                for prompt in STOP_TOKEN_PROMPTS:
+                    ids = list((await _one(client, messages=prompt)).token_ids or [])
+                    ends = [i for i, t in enumerate(ids) if t in eos]
+                    k = next((j for j in range(3, min(ends or [len(ids)])) if ids[j] not in ids[:j]), None)
+                    paths.append(ids)
+                    if k is not None:
+                        break
                 if k is None:
-                    pytest.skip(f"the greedy path {ids} has no new token past the third before end-of-sequence")
-                before = (await _one(client, max_tokens=k)).message.content
-                through = (await _one(client, max_tokens=k + 1)).message.content
+                    pytest.skip(
+                        f"no greedy path of {len(paths)} prompts has a new token past the third before "
+                        f"end-of-sequence: {paths}"
+                    )
+                before = (await _one(client, messages=prompt, max_tokens=k)).message.content
+                through = (await _one(client, messages=prompt, max_tokens=k + 1)).message.content
                 for ignore_eos in (True, False):
                     for include in (False, True):
-                        extra = {"stop_token_ids": [ids[k]], "ignore_eos": ignore_eos}
+                        extra = {"messages": prompt, "stop_token_ids": [ids[k]], "ignore_eos": ignore_eos}
                         got = await _one(client, **extra, include_stop_str_in_output=include)
                         label = f"stop_token_ids=[{ids[k]}] (token {k}), ignore_eos={ignore_eos}, include={include}"
                         want_ids = ids[: k + 1]
@@ -343,7 +357,7 @@ class GenerationChecks:
                         want = through if include else before
                         assert got.message.content == want, f"{label}: text {got.message.content!r}, expected {want!r}"
                         if server_under_test.capabilities.streaming:
-                            streamed = {**GREEDY, "messages": PROMPT, **extra, "include_stop_str_in_output": include}
+                            streamed = {**GREEDY, **extra, "include_stop_str_in_output": include}
                             chunks = [c async for c in client.chat_stream(streamed)]
                             check_stream([got], chunks, f"{label}, streamed: ", dtype=server_under_test.dtype)
 

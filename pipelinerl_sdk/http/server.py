@@ -13,6 +13,10 @@ a wrong one; every token is checked before the body is read):
 - ``POST /probe_broadcast`` (control): one flat broadcast, for link checks and benchmarks;
 - ``POST /bench/apply_floor`` (control, benchmarks only): the engine's own apply of the served
   weights, timed with no transfer (``InferenceBackend.apply_floor``; 501 where not offered);
+- vLLM 0.32's RL routes (``/init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``... control; ``/weight_info``, ``/get_world_size``
+  read) for a backend that declares ``vllm_rl_api``: :mod:`pipelinerl_sdk.http.vllm_rl`, onto the
+  same update path and control slot (:mod:`pipelinerl_sdk.http.update_door`);
 - ``POST /v1/chat/completions``, ``GET /v1/models`` (``api_key`` when configured; a missing or
   wrong key is 401, as OpenAI answers); ``stream=true`` chat is server-sent events
   (:class:`EventStream`) for a backend that declares ``streaming``, else a 400 naming ``stream``;
