@@ -25,7 +25,7 @@ __all__ = ["ControlRefused", "ControlSlot", "UpdateDoor", "UpdateRun", "trainer_
 
 
 class ControlRefused(PipelineRLError):
-    """A control call this server will not run: ``status`` (403 or 409) and ``kind`` say why."""
+    """A control call this server will not run: ``status`` (403, 409 or 501) and ``kind`` say why."""
 
     def __init__(self, status: int, message: str, *, kind: str, field: str | None = None) -> None:
         super().__init__(message)

@@ -9,7 +9,7 @@ unauthenticated under ``VLLM_SERVER_DEV_MODE``; the SDK never does):
 
 - ``POST /init_weight_transfer_engine {"init_info": {"request": <InitProcessGroupRequest>}}``:
   join the group of vLLM's ``pipelinerl`` weight transfer (the SDK's group; trainer side:
-  ``pipelinerl_sdk.weights.vllm_flow`` or the vllm adapter's ``PipelineRLTrainerInitInfo``).
+  ``pipelinerl_sdk.http.vllm_flow`` or the vllm adapter's ``PipelineRLTrainerInitInfo``).
   vLLM's ``nccl`` transfer (``init_info.master_address`` ...) and any other are refused (400
   naming ``init_info``): the SDK's servers receive the SDK's group only.
 - ``POST /start_weight_update``: open the update session (409 while one is open, as vLLM raises);
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,8 +55,6 @@ from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, WeightUp
 from pipelinerl_sdk.weights.buckets import BucketPlan
 
 __all__ = ["ROUTES", "VLLMRLFront", "serve_vllm_rl"]
-
-log = logging.getLogger("pipelinerl_sdk.server.vllm_rl")
 
 #: The paths this front serves, and who may call them (as :data:`pipelinerl_sdk.http.server.ROUTES`).
 ROUTES: dict[str, Literal["read", "control"]] = {
@@ -120,7 +117,7 @@ class VLLMRLFront:
             what = f"vLLM's own transfer (init_info.{theirs[0]})" if theirs else f"keys {sorted(init_info)}"
             raise InvalidRequest(
                 f"init_info: the {self.backend.name} server receives vLLM's 'pipelinerl' weight transfer only "
-                "(init_info.request: the SDK's group, as pipelinerl_sdk.weights.vllm_flow sends it), not "
+                "(init_info.request: the SDK's group, as pipelinerl_sdk.http.vllm_flow sends it), not "
                 f"{what}; vLLM's 'nccl' and 'ipc' transfers are received by vLLM's own server",
                 field="init_info",
             )
@@ -141,9 +138,7 @@ class VLLMRLFront:
 
     def start(self) -> dict[str, Any]:
         if self.backend.group_state() is None:
-            raise InvalidRequest(
-                "no weight transfer group: POST /init_weight_transfer_engine first", field="init_weight_transfer_engine"
-            )
+            raise _conflict("no weight transfer group: POST /init_weight_transfer_engine first")
         if self.session is not None:
             raise _conflict(
                 "start_weight_update called while a weight update is already active. Call finish_weight_update first."
@@ -170,7 +165,9 @@ class VLLMRLFront:
             elif op == "await":
                 run = session.run
                 if run is None:
-                    raise InvalidRequest("update_info.op: 'await' with no update armed in this session", field="op")
+                    raise InvalidRequest(
+                        "update_info.op: 'await' with no update armed in this session", field="update_info.op"
+                    )
                 if "version" in info and info["version"] != run.version:
                     raise InvalidRequest(
                         f"update_info.version: {info['version']!r}, the armed update is version {run.version}",

@@ -132,8 +132,9 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         #: buffer still holds them: what :meth:`apply_floor` re-applies. Cleared as soon as any
         #: receive (an update's or a probe's) may write into the staging buffer.
         self.applied: StagedWeights | None = None
-        #: The model's params under HF names: their shapes (read once, from the model's config).
-        self._expected: dict[str, tuple[int, ...]] | None = None
+        #: The model's params under HF names, and their shapes: what an update may carry. Read
+        #: from the model's config on the first receive (a harness without one sets it).
+        self.expected_params: dict[str, tuple[int, ...]] | None = None
         self._lock = threading.Lock()
 
     # --- phase 1: the group -----------------------------------------------------------------------
@@ -240,12 +241,12 @@ class PipelineRLWeightTransferEngine(WeightTransferEngine[PipelineRLInitInfo, Pi
         """Refuse (ValueError, before the receive is armed) an update for another group, whose
         sender planned other buckets, or naming a param the model does not hold (under HF names)
         or with another shape."""
-        if self._expected is None:
+        if self.expected_params is None:
             from pipelinerl_sdk.weights.tensors import hf_param_specs
 
-            self._expected = {p.name: p.shape for p in hf_param_specs(self.model_config.model, "float32")}
+            self.expected_params = {p.name: p.shape for p in hf_param_specs(self.model_config.model, "float32")}
         for i, p in enumerate(specs):
-            want = self._expected.get(p.name)
+            want = self.expected_params.get(p.name)
             if want is None:
                 raise ValueError(f"params[{i}].name: unknown param {p.name!r}")
             if tuple(p.shape) != tuple(want):

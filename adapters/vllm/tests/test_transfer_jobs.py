@@ -43,6 +43,8 @@ def trainer_and_engine() -> Iterator[tuple[WeightSyncGroup, Any]]:
         parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
     )
     engine = PipelineRLWeightTransferEngine(None, vllm_config, torch.device("cpu"), torch.nn.Linear(1, 1))
+    # what the engine reads from the model's config (none here): the tests' four params
+    engine.expected_params = {f"p{i}": (64, 32) for i in range(4)}
     joined: Future[None] = Future()
     t = threading.Thread(
         target=lambda: joined.set_result(
