@@ -145,6 +145,11 @@ def test_a_session_start_twice_is_refused_and_finish_closes_it(server: ServerPro
         assert r.status_code == 409 and "already active" in r.text, r.text
         r = _post(server, "/update_weights", {"update_info": {"op": "receive", "version": 9, "params": "x"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "update_info.params", r.text
+        for params in ([["w", "float32", 3]], [["w", "float32", [2]], ["w", "float32", [2]]], [["w", "f99", [2]]]):
+            assert _post(server, "/start_weight_update").status_code == 200
+            body = {"update_info": {"op": "receive", "version": 9, "params": params, "bucket_bytes": 1 << 20}}
+            r = _post(server, "/update_weights", body)
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith("update_info"), (params, r.text)
         # the refusal closed the session (as vLLM's worker does when update_weights raises)
         r = _post(server, "/finish_weight_update")
         assert r.status_code == 409, r.text

@@ -265,6 +265,8 @@ class VLLMRLFront:
             return WeightUpdateRequest.model_validate(fields)
         except ValidationError as e:
             raise _invalid(e, "update_info") from None
+        except (TypeError, ValueError) as e:  # a shape that is no list of ints, a duplicate name
+            raise InvalidRequest(f"update_info.params: {e}", field="update_info.params") from None
 
 
 def _done(run: UpdateRun, report: UpdateReport) -> dict[str, Any]:
