@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -186,6 +187,17 @@ def perturb(model: Any, held_in: torch.dtype | None = None) -> None:
             p.copy_(p.to(held_in).float())
 
 
+async def calls_in_flight(url: str, within_s: float = 60.0) -> None:
+    """Return once the server at ``url`` has a call in flight (its ``/info``)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        raw = await asyncio.to_thread(lambda: urlopen(f"{url}/info", timeout=10).read())
+        if json.loads(raw)["requests_in_flight"] > 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no call in flight at {url} within {within_s:g} s")
+
+
 def crossed_an_update(session: Recorder) -> list[set[int]]:
     """Each answer's weight versions; some call's tokens span versions (an update landed mid-call)."""
     versions = [set(a["choices"][0].get("weight_versions") or []) for a in session.answers]
@@ -249,7 +261,8 @@ def test_pipelinerl_trainer_protocol_across_in_flight_calls(served: Served) -> N
     async def main() -> tuple[list[Any], Recorder]:
         running = asyncio.ensure_future(generate(llm, 8, LONG_TOKENS))
         for k in (1, 2):
-            await asyncio.sleep(0.5)
+            if k == 1:  # at once when the calls are running: on a fast engine they end within a second
+                await calls_in_flight(proc.url)
             perturb(local, torch.bfloat16)  # what a bfloat16 trainer holds
             params = [(n, p.detach().to(torch.bfloat16)) for n, p in local.named_parameters()]
             (answer,) = await asyncio.to_thread(trainer.update, [proc.url], version + 1000 * k, params)
