@@ -13,12 +13,12 @@ import torch
 if TYPE_CHECKING:
     from pipelinerl_sdk.conformance.mirror import Mirror
 
-__all__ = ["vllm_trainer_updates_while_requests_run"]
+__all__ = ["served_logprob_gap", "vllm_trainer_updates_while_requests_run"]
 
 PROMPT = [{"role": "user", "content": "Count: 1 2 3 4 5 6 7 8 9"}]
 
 
-def _served_gap(url: str, mirror: Mirror, version: int | None) -> float:
+def served_logprob_gap(url: str, mirror: Mirror, version: int | None) -> float:
     """Max |served - mirror| greedy logprob over 8 tokens; the tags are ``version`` where given."""
     body = {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": True, "return_token_ids": True}
     out = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
@@ -65,7 +65,7 @@ def vllm_trainer_updates_while_requests_run(url: str, control_token: str, model_
     )
     try:
         if start == 0:  # a fresh server: the trainer starts from the weights it serves
-            assert _served_gap(url, mirror, start) < 1e-4
+            assert served_logprob_gap(url, mirror, start) < 1e-4
         versions = set(range(start, start + updates + 1))
         with ThreadPoolExecutor(6) as pool:
             calls = [pool.submit(_long_call, url, seed) for seed in range(6)]
@@ -76,7 +76,7 @@ def vllm_trainer_updates_while_requests_run(url: str, control_token: str, model_
         assert all(t == sorted(t) and set(t) <= versions for t in tags), tags
         assert any(len(set(t)) > 1 for t in tags), f"no call crossed an update: {[sorted(set(t)) for t in tags]}"
         last = start + updates
-        assert _served_gap(url, mirror, last) < 1e-4
+        assert served_logprob_gap(url, mirror, last) < 1e-4
         assert httpx.get(f"{url}/weight_info", headers=headers, timeout=10).json() == {"weight_version": str(last)}
     finally:
         engine.shutdown()

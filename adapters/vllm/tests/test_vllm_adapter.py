@@ -708,6 +708,7 @@ def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_eng
     weights arrive (logprobs equal the trainer's, fp32: 1e-4) and vLLM's /weight_info names the
     version; an update for params vLLM does not hold is refused by the worker engine before any
     byte (vLLM answers it as a bare 500) and the weights served stay."""
+    from pipelinerl_sdk_vllm.testing import served_logprob_gap
     from pipelinerl_sdk_vllm.trainer_engine import PipelineRLTrainerInitInfo
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -725,17 +726,10 @@ def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_eng
         source=ModuleSource(mirror.model),
     )
 
-    def served() -> torch.Tensor:
-        body = {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": True, "return_token_ids": True}
-        out = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
-        choice = out["choices"][0]
-        want = mirror.logprobs(out["prompt_token_ids"] + choice["token_ids"])[-len(choice["token_ids"]) :]
-        return (torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]]) - want).abs().max()
-
     try:
         mirror.perturb(seed=21, scale=0.05)
         engine.send_weights()
-        assert served() < 1e-4
+        assert served_logprob_gap(url, mirror, None) < 1e-4
         assert httpx.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": "100"}
         held = mirror.state()
         with torch.no_grad():  # a param vLLM does not hold: refused by vLLM's worker, no byte sent
@@ -749,7 +743,7 @@ def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_eng
         )
         del mirror.model.lm_head.extra
         mirror.load(held)
-        assert served() < 1e-4
+        assert served_logprob_gap(url, mirror, None) < 1e-4
     finally:
         engine.shutdown()
 
