@@ -19,6 +19,7 @@ itself registers dotted paths only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import time
@@ -34,7 +35,8 @@ from pipelinerl_sdk.contracts import (
     UpdateReport,
     validate_update_request,
 )
-from pipelinerl_sdk.errors import GroupError, UpdateAborted, UpdateFailed, UpdateRejected
+from pipelinerl_sdk.errors import GroupError, PipelineRLError, UpdateAborted, UpdateFailed, UpdateRejected
+from pipelinerl_sdk.http.vllm_rl import VLLMRLFront
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, StopRule, plan_chat
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
@@ -984,6 +986,110 @@ class StreamsToolCallsAsText(ReferenceInferenceBackend):
         return chat_chunks(self.tokenizer, self.model_name, blind, plan, samples, self.ending_ids(req))
 
 
+# --- vLLM's RL API in front of a correct engine: the front alone is wrong ---------------------
+#
+# These serve the reference engine, right through the SDK's routes, with a front
+# (:class:`~pipelinerl_sdk.http.vllm_rl.VLLMRLFront`) wrong in one way: only the checks run
+# through the ``vllm_rl`` door can see it (their ``sdk`` runs pass).
+
+
+def _serve_with_front(backend: ReferenceInferenceBackend, config: ServeConfig, front: type[VLLMRLFront]) -> None:
+    """Serve ``backend`` like ``pipelinerl serve`` does, vLLM's RL API served by ``front``."""
+    from fastapi import FastAPI
+
+    from pipelinerl_sdk.kit.inference.serve import run
+
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    run(app, backend, config, vllm_rl_front=front)
+
+
+class _SkipsUnknownNamesFront(VLLMRLFront):
+    def _request(self, info: dict[str, Any]) -> WeightUpdateRequest:
+        known = {p.name for p in self.backend.param_specs()}
+        params = info.get("params")
+        if isinstance(params, list):  # the bug: what the engine does not serve is left out
+            info = {k: v for k, v in info.items() if k != "plan_digest"}
+            info["params"] = [p for p in params if not isinstance(p, list) or p[0] in known]
+        return super()._request(info)
+
+
+class VLLMFrontSkipsUnknownNames(ReferenceInferenceBackend):
+    """Its vLLM front leaves out of an update the params the engine does not serve (and plans
+    the buckets without them), so an update naming a param nobody serves is accepted.
+
+    Caught by ``test_bad_updates_are_refused_before_any_receive[vllm_rl]``: "unknown-extra-name:
+    got 200"."""
+
+    def serve(self, config: ServeConfig) -> None:
+        _serve_with_front(self, config, _SkipsUnknownNamesFront)
+
+
+class _DrainsFront(VLLMRLFront):
+    async def update(self, body: Any) -> dict[str, Any]:
+        info = body.get("update_info") if isinstance(body, dict) else None
+        if isinstance(info, dict) and info.get("op") == "receive":
+            engine = self.backend.engine  # type: ignore[attr-defined]
+            while engine.stats().running or engine.stats().waiting:  # the bug: vLLM's pause mode "wait"
+                await asyncio.sleep(0.01)
+        return await super().update(body)
+
+
+class VLLMFrontDrains(ReferenceInferenceBackend):
+    """Its vLLM front arms an update only once no request runs (as vLLM's ``/pause?mode=wait``
+    would), so no request in flight ever crosses an update made through vLLM's routes.
+
+    Caught by ``test_requests_in_flight_survive_updates[vllm_rl]``: "no request carried tokens
+    of two versions"."""
+
+    def serve(self, config: ServeConfig) -> None:
+        _serve_with_front(self, config, _DrainsFront)
+
+
+class _AlwaysUpdatedFront(VLLMRLFront):
+    async def update(self, body: Any) -> dict[str, Any]:
+        info = body.get("update_info") if isinstance(body, dict) else None
+        session = self.session
+        if isinstance(info, dict) and info.get("op") == "await" and session is not None and session.run is not None:
+            with contextlib.suppress(PipelineRLError):  # the bug: how the update ended is not looked at
+                await asyncio.shield(session.run.task)
+            return {"message": "Weights updated"}
+        return await super().update(body)
+
+    async def finish(self, body: Any) -> dict[str, Any]:
+        try:
+            return await super().finish(body)
+        except (UpdateFailed, GroupError):
+            return {"message": "Weight update finished"}  # the bug, again
+
+
+class VLLMFrontAlwaysUpdated(ReferenceInferenceBackend):
+    """Its vLLM front answers "Weights updated" once an update ended, however it ended: a
+    called-off or failed update looks done to a trainer using vLLM's routes (the engine itself
+    kept its old weights, rightly).
+
+    Caught by ``test_called_off_update_changes_nothing[vllm_rl]``: "a called-off update was
+    answered as a success"."""
+
+    def serve(self, config: ServeConfig) -> None:
+        _serve_with_front(self, config, _AlwaysUpdatedFront)
+
+
+class _DefaultModeFront(VLLMRLFront):
+    def _request(self, info: dict[str, Any]) -> WeightUpdateRequest:
+        return super()._request({k: v for k, v in info.items() if k != "mode"})  # the bug
+
+
+class VLLMFrontIgnoresMode(ReferenceInferenceBackend):
+    """Its vLLM front drops ``update_info.mode``: every update through vLLM's routes runs in
+    the server's default receive mode, whatever the trainer asked for.
+
+    Caught by ``test_update_serves_exactly_the_new_weights[..-vllm_rl]`` (the mode other than
+    the default): "the update ran in mode"."""
+
+    def serve(self, config: ServeConfig) -> None:
+        _serve_with_front(self, config, _DefaultModeFront)
+
+
 #: Backend name -> (class name, capabilities); the standard checks catch each of these.
 CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-updates": ("IgnoresUpdates", INFERENCE),
@@ -1032,6 +1138,10 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-adds-bos": ("AddsBos", INFERENCE),
     "broken-tool-calls-as-text": ("ToolCallsAsText", INFERENCE),
     "broken-streams-tool-calls-as-text": ("StreamsToolCallsAsText", INFERENCE),
+    "broken-vllm-front-skips-unknown-names": ("VLLMFrontSkipsUnknownNames", INFERENCE),
+    "broken-vllm-front-drains": ("VLLMFrontDrains", INFERENCE),
+    "broken-vllm-front-always-updated": ("VLLMFrontAlwaysUpdated", INFERENCE),
+    "broken-vllm-front-ignores-mode": ("VLLMFrontIgnoresMode", INFERENCE),
 }
 
 #: Correct backends built otherwise than the reference: every standard check must pass on them.

@@ -8,11 +8,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+from pipelinerl_sdk.conformance.doors import VLLMDoorLink
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import ChatCompletionResponse
-from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.publisher import ServerLink, WeightPublisher
 
 T = TypeVar("T")
 PROMPT = [{"role": "user", "content": "What is 12+7? Answer with digits."}]
@@ -58,8 +59,19 @@ def check_against_mirror(resp: ChatCompletionResponse, mirror: Mirror, *, prompt
         assert ok, f"prompt logprobs differ from the weights the server should hold: {msg}"
 
 
-async def connect(sut: ServerUnderTest, client: InferenceClient, **kwargs: Any) -> WeightPublisher:
-    publisher = WeightPublisher([client], bucket_bytes=kwargs.pop("bucket_bytes", 64 << 10), **kwargs)
+async def connect(
+    sut: ServerUnderTest, client: InferenceClient, *, door: str = "sdk", **kwargs: Any
+) -> WeightPublisher:
+    """The suite's trainer, joined to ``sut``'s group through ``door`` (``sdk``: the SDK's
+    routes; ``vllm_rl``: vLLM's RL API, :mod:`pipelinerl_sdk.conformance.doors`)."""
+    links: list[ServerLink]
+    if door == "sdk":
+        links = [client]
+    elif door == "vllm_rl":
+        links = [VLLMDoorLink(sut, client, await client.info())]
+    else:
+        raise ValueError(f"door: 'sdk' or 'vllm_rl', got {door!r}")
+    publisher = WeightPublisher(links, bucket_bytes=kwargs.pop("bucket_bytes", 64 << 10), **kwargs)
     await publisher.connect()
     return publisher
 

@@ -33,6 +33,7 @@ from pipelinerl_sdk.conformance.common import (
     openai_headers,
     retry_budgets,
 )
+from pipelinerl_sdk.conformance.doors import DOORS, Door, post_update
 from pipelinerl_sdk.conformance.generation import GenerationChecks
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
 from pipelinerl_sdk.conformance.sampling import SamplingChecks
@@ -41,7 +42,6 @@ from pipelinerl_sdk.conformance.structured import StructuredOutputChecks
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.conformance.versions import VersionTagChecks
 from pipelinerl_sdk.errors import FanOutError, ServerError
-from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import ChatCompletionResponse, ParamSpec, ServerInfo, WeightUpdateRequest
 from pipelinerl_sdk.weights.buckets import BucketPlan
 from pipelinerl_sdk.weights.publisher import WeightPublisher
@@ -66,23 +66,27 @@ HOLD_RATIO, IDLE_SAMPLES = 10.0, 5
 HOLD_TRIALS = 3
 
 
-async def call_off_update(client: InferenceClient, publisher: WeightPublisher, info: ServerInfo) -> float:
-    """Ask ``info``'s server for the next version, wait until it accepts, then call the update off
-    as a trainer does when another server refused (its ``abort`` decision); the server must then
-    answer an error (ServerError). Returns the seconds from the decision to that answer."""
+async def call_off_update(publisher: WeightPublisher, info: ServerInfo) -> float:
+    """Ask ``info``'s server (the publisher's one link, through its door) for the next version,
+    wait until it accepts, then call the update off as a trainer does when another server refused
+    (its ``abort`` decision); the server must then answer an error (ServerError). Returns the
+    seconds from the decision to that answer."""
     assert publisher.group is not None
+    (link,) = publisher.clients
     plan = BucketPlan.build(info.params, publisher.bucket_bytes)
     req = WeightUpdateRequest(
         version=info.version + 1, params=info.params, bucket_bytes=publisher.bucket_bytes,
         plan_digest=plan.digest(), timeout_s=60, group_id=publisher.group.group_id,
     )  # fmt: skip
-    call = client.request_weight_update(req)
+    call = link.request_weight_update(req)
     await asyncio.wait_for(call.accepted, 30)
     t0 = time.monotonic()
     publisher.group.post_decision(update_key(req.version), go=False, reason="another server refused")
-    with pytest.raises(ServerError):
-        await asyncio.wait_for(call.final, 30)
-    return time.monotonic() - t0
+    try:
+        answer = await asyncio.wait_for(call.final, 30)
+    except ServerError:
+        return time.monotonic() - t0
+    pytest.fail(f"a called-off update was answered as a success: {answer}")
 
 
 def update_body(info: ServerInfo, version: int, **changes: Any) -> dict[str, Any]:
@@ -286,6 +290,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
 
         arun(body)
 
+    @pytest.mark.parametrize("door", DOORS)
     @pytest.mark.parametrize(
         "mode", [pytest.param(m, marks=pytest.mark.requires(f"receive_mode:{m}")) for m in ("staged", "direct")]
     )
@@ -294,23 +299,26 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
         server_under_test: ServerUnderTest,
         mirror: Mirror,
         mode: str,
+        door: Door,
         record_property: Callable[[str, object], None],
     ) -> None:
-        """After an update, the server computes what the new weights dictate (tolerance by
-        dtype), every new token carries the new version, and the pause is reported."""
+        """After an update (through each door), the server computes what the new weights dictate
+        (tolerance by dtype), every new token carries the new version, the update ran in the mode
+        asked for, and the pause is reported."""
         if mode not in server_under_test.capabilities.receive_modes:
             pytest.skip(f"{server_under_test.id} does not declare receive_mode:{mode}")
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                publisher = await connect(server_under_test, client, mode=mode)
+                publisher = await connect(server_under_test, client, mode=mode, door=door)
                 info = await client.info()
                 before = await greedy(client, prompt_logprobs=False)
                 mirror.perturb(seed=info.version + 1)
                 await mirror.publish(publisher, info.version + 1, info.params)
                 assert publisher.last is not None
                 done = next(iter(publisher.last.events.values()))
-                assert done.version == info.version + 1 and done.mode == mode
+                assert done.version == info.version + 1, f"the update answered version {done.version}"
+                assert done.mode == mode, f"the update ran in mode {done.mode!r}, asked {mode!r}"
                 assert 0 <= done.timings["pause_s"] <= done.timings["total_s"]
                 record_property("pause_s", done.timings["pause_s"])
                 record_property("update_wall_s", publisher.last.wall_s)
@@ -344,9 +352,12 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
 
         arun(body)
 
+    @pytest.mark.parametrize("door", DOORS)
     @pytest.mark.requires("in_flight_updates")
-    def test_requests_in_flight_survive_updates(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
-        """Requests running across two updates all complete (none dropped, aborted or
+    def test_requests_in_flight_survive_updates(
+        self, server_under_test: ServerUnderTest, mirror: Mirror, door: Door
+    ) -> None:
+        """Requests running across two updates (through each door) all complete (none dropped, aborted or
         duplicated); each token's version is non-decreasing and one the trainer published, and
         at least one request carries tokens of two versions (an update reached it in flight;
         whether each tag is *true* is :meth:`test_every_version_tag_is_true`'s to check).
@@ -362,7 +373,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
         async def calibrate() -> tuple[float, float, int]:
             """Seconds per decode step with ``n`` requests running, seconds per update, room."""
             async with server_under_test.client() as client:
-                publisher = await connect(server_under_test, client)
+                publisher = await connect(server_under_test, client, door=door)
                 info = await client.info()
                 probe = await client.chat({"messages": PROMPT, "max_tokens": 1, "return_token_ids": True})
                 assert probe.prompt_token_ids, "return_token_ids: prompt_token_ids missing"
@@ -387,7 +398,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
         async def attempt(budget: int) -> tuple[bool, str]:
             tl = Timeline()
             async with server_under_test.client() as client:
-                publisher = await connect(server_under_test, client)
+                publisher = await connect(server_under_test, client, door=door)
                 start = (await client.info()).version
                 mirror.perturb(seed=start + 1)  # ready before the requests start
                 # Every connection the timed part uses is opened now: a new TCP connection can
@@ -446,12 +457,14 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
             f"with {n} running, update {per_update:.2f} s, max_model_len leaves {room} tokens): " + "; ".join(timelines)
         )
 
+    @pytest.mark.parametrize("door", DOORS)
     def test_bad_updates_are_refused_before_any_receive(
-        self, server_under_test: ServerUnderTest, mirror: Mirror
+        self, server_under_test: ServerUnderTest, mirror: Mirror, door: Door
     ) -> None:
         """Unknown or missing names, wrong shapes or dtypes, stale versions, bad digests, unknown
-        fields and malformed JSON: 4xx with a message, nothing received, group healthy, same
-        version, same outputs."""
+        fields and malformed JSON, asked through each door (vLLM's: as ``update_info`` of
+        ``/update_weights``): 4xx with a message, nothing received, group healthy, same version,
+        same outputs."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
@@ -466,14 +479,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
                 failures = []
                 async with httpx.AsyncClient(base_url=server_under_test.url, timeout=60) as http:
                     for kind, (case, status) in _bad_update_cases(info).items():
-                        if isinstance(case, str):
-                            r = await http.post(
-                                "/request_weight_update",
-                                content=case,
-                                headers={**headers, "content-type": "application/json"},
-                            )
-                        else:
-                            r = await http.post("/request_weight_update", json=case, headers=headers)
+                        r = await post_update(http, door, case, headers)
                         if r.status_code != status or not r.json().get("error", {}).get("message"):
                             failures.append(f"{kind}: got {r.status_code} {r.text[:200]}, expected {status}")
                 assert not failures, "; ".join(failures)
@@ -513,18 +519,21 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
 
         arun(body)
 
-    def test_called_off_update_changes_nothing(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
-        """An update the server accepted, then the trainer called off (another server of the fleet
-        refused it): the server answers an error at once, keeps its version and weights, its group
-        stays healthy, and the next update works."""
+    @pytest.mark.parametrize("door", DOORS)
+    def test_called_off_update_changes_nothing(
+        self, server_under_test: ServerUnderTest, mirror: Mirror, door: Door
+    ) -> None:
+        """An update the server accepted (through each door), then the trainer called off
+        (another server of the fleet refused it): the server answers an error at once, keeps its
+        version and weights, its group stays healthy, and the next update works."""
 
         async def body() -> None:
             async with server_under_test.client() as client:
-                publisher = await connect(server_under_test, client)
+                publisher = await connect(server_under_test, client, door=door)
                 assert publisher.group is not None
                 info = await client.info()
                 before = await greedy(client, prompt_logprobs=False)
-                assert await call_off_update(client, publisher, info) < 10, "the abort must not wait for a timeout"
+                assert await call_off_update(publisher, info) < 10, "the abort must not wait for a timeout"
                 after = await client.info()
                 assert after.version == info.version, f"a called-off update moved the version to {after.version}"
                 assert not after.updating
@@ -574,7 +583,7 @@ class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputC
                         r = await http.post("/request_weight_update", json=body, headers=headers)
                         assert r.status_code == 409, f"a stale version: {r.status_code} {r.text[:200]}, expected 409"
                         refused = min(refused, await timed())
-                    await call_off_update(client, publisher, info)
+                    await call_off_update(publisher, info)
                     called_off = min(called_off, await timed())
                 await publisher.close()
             held = {"a refused update": refused, "a called-off update": called_off}

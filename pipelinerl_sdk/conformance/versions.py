@@ -24,6 +24,7 @@ from pipelinerl_sdk.conformance.common import (
     openai_headers,
     retry_budgets,
 )
+from pipelinerl_sdk.conformance.doors import DOORS, Door
 from pipelinerl_sdk.conformance.mirror import TOLERANCES, Mirror, compare
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.protocol import (
@@ -264,9 +265,10 @@ def _spans(tags: list[int]) -> str:
 class VersionTagChecks:
     """Mixed into :class:`~pipelinerl_sdk.conformance.inference.InferenceContractTests`."""
 
+    @pytest.mark.parametrize("door", DOORS)
     @pytest.mark.requires("in_flight_updates")
-    def test_every_version_tag_is_true(self, server_under_test: ServerUnderTest, mirror: Mirror) -> None:
-        """Completions running across two updates, and one sent while an update is being
+    def test_every_version_tag_is_true(self, server_under_test: ServerUnderTest, mirror: Mirror, door: Door) -> None:
+        """Completions running across two updates (through each door), and one sent while an update is being
         received, are replayed token by token against the mirror with the weights of each
         token's tag: every logprob must be what those weights give (tolerance by dtype), either
         on the KV cache as the engine computed it at the time (an engine that keeps its cache
@@ -287,7 +289,7 @@ class VersionTagChecks:
         async def attempt(budget: int) -> tuple[int, list[str]]:
             tl = Timeline()
             async with server_under_test.client() as client, server_under_test.client() as other:
-                publisher = await connect(server_under_test, client)
+                publisher = await connect(server_under_test, client, door=door)
                 info = await client.info()
                 start = info.version
                 states = {start: mirror.state()}

@@ -76,7 +76,7 @@ from pipelinerl_sdk.http.echo import complete_with_echo
 from pipelinerl_sdk.http.update_door import ControlRefused, UpdateDoor
 from pipelinerl_sdk.http.update_door import trainer_host_allowed as trainer_host_allowed  # re-exported (its old home)
 from pipelinerl_sdk.http.vllm_rl import ROUTES as VLLM_RL_ROUTES
-from pipelinerl_sdk.http.vllm_rl import serve_vllm_rl
+from pipelinerl_sdk.http.vllm_rl import VLLMRLFront, serve_vllm_rl
 from pipelinerl_sdk.protocol import (
     ApplyFloorRequest,
     ApplyFloorResponse,
@@ -272,6 +272,7 @@ def build_router(
     return_tokens_as_token_ids: bool = False,
     logprobs_mode: str = "raw_logprobs",
     pipelinerl_group: PipelineRLGroupConfig | None = None,
+    vllm_rl_front: type[VLLMRLFront] = VLLMRLFront,
 ) -> APIRouter:
     """The contract's routes over ``backend``. ``control_token`` must be non-empty and differ
     from ``api_key``. ``/init_process_group`` joins stores on loopback or ``trainer_hosts`` only.
@@ -279,6 +280,7 @@ def build_router(
     unless the backend declares it): as :class:`~pipelinerl_sdk.contracts.ServeConfig`'s fields.
     ``pipelinerl_group``: PipelineRL's trainer protocol is served too (``/receive_weight_update``,
     :mod:`pipelinerl_sdk.http.pipelinerl_trainer`); the group is joined from now on.
+    ``vllm_rl_front``: the class serving vLLM's RL API where the backend declares ``vllm_rl_api``.
 
     ``limits`` (defaults: :class:`~pipelinerl_sdk.http.admission.Limits`) bound every body (413)
     and the chat requests and tokens admitted at once (429 with Retry-After). A chat request
@@ -505,7 +507,7 @@ def build_router(
         return JSONResponse({**resp.model_dump(exclude_none=True), "model": served})
 
     if backend.capabilities.vllm_rl_api:  # vLLM's RL API onto the same update path
-        serve_vllm_rl(router, backend, door)
+        serve_vllm_rl(router, backend, door, front_class=vllm_rl_front)
     if pipelinerl_group is not None:
         _serve_pipelinerl_trainer(router, guards, pipelinerl_group, control_token)
     return router

@@ -160,12 +160,13 @@ class _FlowCall:
         except Exception as e:  # the update failed; its session is closed
             raise self._error(e, "update_weights (await)") from e
         answer = getattr(self._client, "last_answer", None)  # ControlTokenClient keeps it
-        timings = answer.get("timings") if isinstance(answer, dict) else None
+        answer = answer if isinstance(answer, dict) else {}
+        timings, mode = answer.get("timings"), answer.get("mode")
         try:
             await asyncio.to_thread(self._client.finish_weight_update, str(version))
         except Exception as e:
             raise self._error(e, "finish_weight_update") from e
-        return UpdateEvent(event="done", version=version, timings=timings or {})
+        return UpdateEvent(event="done", version=version, timings=timings or {}, mode=mode)
 
     async def cancel(self) -> None:
         """Nothing to close: each call is one request, which ends by itself."""

@@ -23,7 +23,8 @@ unauthenticated under ``VLLM_SERVER_DEV_MODE``; the SDK never does):
   - ``await``: answers once the armed update is live, or with its error (old weights serving).
 
   Answered ``{"message": "Weights updated"}`` as vLLM; once the update is live (``await``, or
-  ``receive`` with ``blocking``) also its ``version`` and ``timings`` (the SDK's ``done`` event's).
+  ``receive`` with ``blocking``) also its ``version``, ``mode`` and ``timings`` (the SDK's ``done``
+  event's).
 
 - ``POST /finish_weight_update {"weight_version": str | null}``: waits for the session's update to
   end (one still waiting for the trainer's decision is called off), closes the session; the
@@ -271,8 +272,13 @@ class VLLMRLFront:
 
 def _done(run: UpdateRun, report: UpdateReport) -> dict[str, Any]:
     """vLLM's answer, plus what the SDK's ``done`` event carries (a client ignores keys it does
-    not know): the version now served and the update's ``timings``."""
-    return {"message": "Weights updated", "version": report.version, "timings": {**report.timings(), **run.at}}
+    not know): the version now served, the receive mode it ran in and the update's ``timings``."""
+    return {
+        "message": "Weights updated",
+        "version": report.version,
+        "mode": report.mode,
+        "timings": {**report.timings(), **run.at},
+    }
 
 
 def _embedded(body: Any, name: str, *, required: bool = True) -> Any:
@@ -304,9 +310,12 @@ async def _json(request: Request) -> Any:
         raise InvalidRequest(f"the body is not JSON: {e}") from None
 
 
-def serve_vllm_rl(router: APIRouter, backend: InferenceBackend, door: UpdateDoor) -> VLLMRLFront:
-    """Add vLLM's RL routes (:data:`ROUTES`) to ``router``; the caller guards them."""
-    front = VLLMRLFront(backend, door)
+def serve_vllm_rl(
+    router: APIRouter, backend: InferenceBackend, door: UpdateDoor, *, front_class: type[VLLMRLFront] = VLLMRLFront
+) -> VLLMRLFront:
+    """Add vLLM's RL routes (:data:`ROUTES`) to ``router``, served by a ``front_class`` (an
+    adapter may extend :class:`VLLMRLFront`); the caller guards them."""
+    front = front_class(backend, door)
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:

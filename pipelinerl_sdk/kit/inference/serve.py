@@ -38,6 +38,7 @@ from fastapi.routing import APIRoute
 from pipelinerl_sdk.contracts import InferenceBackend, ServeConfig, ServesItself
 from pipelinerl_sdk.http.admission import Limits
 from pipelinerl_sdk.http.server import bind_socket, build_router, install_error_handlers
+from pipelinerl_sdk.http.vllm_rl import VLLMRLFront
 
 if TYPE_CHECKING:
     from pipelinerl_sdk.http.pipelinerl_trainer import PipelineRLGroupConfig
@@ -90,10 +91,12 @@ def mount_first(app: FastAPI, router: APIRouter) -> None:
     app.openapi_schema = None
 
 
-def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfig) -> None:
+def install_contract(
+    app: FastAPI, backend: InferenceBackend, config: ServeConfig, *, vllm_rl_front: type[VLLMRLFront] = VLLMRLFront
+) -> None:
     """Mount the contract's router on ``app`` (ahead of its own routes) and the SDK's error
     handlers. An app whose middleware stack is already built (vLLM's) has it rebuilt, or the
-    handlers would not take effect."""
+    handlers would not take effect. ``vllm_rl_front``: as :func:`~pipelinerl_sdk.http.server.build_router`'s."""
     router = build_router(
         backend,
         control_token=config.control_token,
@@ -104,6 +107,7 @@ def install_contract(app: FastAPI, backend: InferenceBackend, config: ServeConfi
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         logprobs_mode=config.logprobs_mode,
         pipelinerl_group=pipelinerl_group(config),
+        vllm_rl_front=vllm_rl_front,
     )
     mount_first(app, router)
     install_error_handlers(app)
@@ -155,12 +159,19 @@ def announce(config: ServeConfig, port: int, backend_name: str) -> dict[str, Any
     return ready
 
 
-async def serve_app(app: FastAPI, backend: InferenceBackend, config: ServeConfig, sock: socket.socket) -> None:
+async def serve_app(
+    app: FastAPI,
+    backend: InferenceBackend,
+    config: ServeConfig,
+    sock: socket.socket,
+    *,
+    vllm_rl_front: type[VLLMRLFront] = VLLMRLFront,
+) -> None:
     """Serve ``app`` (with the contract installed, the backend started by its lifespan) on
     ``sock`` until the server exits; announces once it answers. Start-up errors raise."""
     import uvicorn
 
-    install_contract(app, backend, config)
+    install_contract(app, backend, config, vllm_rl_front=vllm_rl_front)
     with_backend_lifespan(app, backend)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -212,11 +223,14 @@ def bounded_exit(server: Any, deadline_s: float) -> None:
     signal.signal(signal.SIGTERM, handle_exit)
 
 
-def run(app: FastAPI, backend: InferenceBackend, config: ServeConfig) -> None:
+def run(
+    app: FastAPI, backend: InferenceBackend, config: ServeConfig, *, vllm_rl_front: type[VLLMRLFront] = VLLMRLFront
+) -> None:
     """Bind ``config.host:config.port`` (OSError naming the address if taken) and
-    :func:`serve_app` until SIGTERM/SIGINT: the whole of serving an engine-owned FastAPI app."""
+    :func:`serve_app` until SIGTERM/SIGINT: the whole of serving an engine-owned FastAPI app.
+    ``vllm_rl_front``: the class serving vLLM's RL API (an adapter may extend the SDK's)."""
     sock = bind_socket(config.host, config.port)
     try:
-        asyncio.run(serve_app(app, backend, config, sock))
+        asyncio.run(serve_app(app, backend, config, sock, vllm_rl_front=vllm_rl_front))
     finally:
         sock.close()
