@@ -101,6 +101,10 @@ class InferenceCapabilities:
     #: update path (:mod:`pipelinerl_sdk.http.vllm_rl`). False where the engine's app keeps routes
     #: of its own at those paths (vLLM's).
     vllm_rl_api: bool = True
+    #: vLLM 0.32's ``/pause?mode=keep``, ``/resume``, ``/is_paused`` on the vLLM front: a client
+    #: holds generation (requests in flight frozen, kept) until it resumes, updates running inside
+    #: the hold (:meth:`InferenceBackend.generation_hold`).
+    pause_generation: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.logprobs_modes) - set(LOGPROBS_MODES)
@@ -225,6 +229,19 @@ class UpdateReport:
         }
 
 
+class GenerationHoldLike(Protocol):
+    """A client's hold on generation (:class:`pipelinerl_sdk.kit.inference.hold.GenerationHold`):
+    ``hold()`` returns once generation is held (requests in flight frozen, new ones waiting; at
+    once if held), ``release()`` once it runs again; ``held`` says which."""
+
+    @property
+    def held(self) -> bool: ...
+
+    async def hold(self) -> None: ...
+
+    async def release(self) -> None: ...
+
+
 class InferenceBackend(ABC):
     """An inference engine serving the inference contract in its own process.
 
@@ -327,6 +344,12 @@ class InferenceBackend(ABC):
     async def update_weights(
         self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
     ) -> UpdateReport: ...
+
+    def generation_hold(self) -> GenerationHoldLike | None:
+        """A client's hold on generation (vLLM's ``/pause?mode=keep`` ... ``/resume``), for a
+        backend that declares ``pause_generation``; the same object every call. Updates made
+        while it holds run inside it. The default has none (the routes answer 501)."""
+        return None
 
     def cancel_waiting_update(self, reason: str) -> bool:
         """Called when ``/init_process_group`` arrives while an update holds the control slot: if

@@ -38,6 +38,7 @@ from pipelinerl_sdk.contracts import (
 from pipelinerl_sdk.errors import GroupError, PipelineRLError, UpdateAborted, UpdateFailed, UpdateRejected
 from pipelinerl_sdk.http.vllm_rl import VLLMRLFront
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, StopRule, plan_chat
+from pipelinerl_sdk.kit.inference.hold import EnginePause, GenerationHold
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks
 from pipelinerl_sdk.plugins import BackendRegistry, hookimpl
 from pipelinerl_sdk.protocol import (
@@ -1090,6 +1091,40 @@ class VLLMFrontIgnoresMode(ReferenceInferenceBackend):
         _serve_with_front(self, config, _DefaultModeFront)
 
 
+class _MomentHold(GenerationHold):
+    def __init__(self, paused: EnginePause) -> None:
+        super().__init__(paused)
+        self._claimed = False
+
+    @property
+    def held(self) -> bool:
+        return self._claimed
+
+    def around(self, paused: EnginePause) -> EnginePause:
+        return paused
+
+    async def hold(self) -> None:
+        async with self._engine_paused():  # the bug: a moment's pause, not a hold
+            pass
+        self._claimed = True
+
+    async def release(self) -> None:
+        self._claimed = False
+
+
+class PauseDoesNotHold(ReferenceInferenceBackend):
+    """Its ``/pause?mode=keep`` parks the engine for a moment (as an update's own pause does)
+    and answers "paused"; ``/is_paused`` says true until ``/resume``, but generation runs on.
+
+    Caught by ``test_a_keep_pause_holds_generation_and_an_update_inside_it``: "tokens arrived
+    while the server said it was paused"."""
+
+    def generation_hold(self) -> GenerationHold:
+        if self._client_hold is None:
+            self._client_hold = _MomentHold(self.engine.paused)
+        return self._client_hold
+
+
 #: Backend name -> (class name, capabilities); the standard checks catch each of these.
 CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-ignores-updates": ("IgnoresUpdates", INFERENCE),
@@ -1142,6 +1177,7 @@ CAUGHT_BACKENDS: dict[str, tuple[str, InferenceCapabilities]] = {
     "broken-vllm-front-drains": ("VLLMFrontDrains", INFERENCE),
     "broken-vllm-front-always-updated": ("VLLMFrontAlwaysUpdated", INFERENCE),
     "broken-vllm-front-ignores-mode": ("VLLMFrontIgnoresMode", INFERENCE),
+    "broken-pause-does-not-hold": ("PauseDoesNotHold", INFERENCE),
 }
 
 #: Correct backends built otherwise than the reference: every standard check must pass on them.

@@ -502,3 +502,58 @@ def test_logprobs_modes_report_what_vllm_reports(model: PreTrainedModel, prompts
             assert tops == sorted(tops, key=lambda x: -x[1]) and len(tops) == 5
             for t, v in tops:
                 assert abs(v - float(want[t])) < 1e-3, (mode, params, j, t, v, float(want[t]))
+
+
+def test_a_client_hold_freezes_the_loop_and_an_update_runs_inside_it(
+    model: PreTrainedModel, prompts: list[list[int]]
+) -> None:
+    """``GenerationHold`` over the engine's pause: held, no step runs (the token count stays);
+    an update's pause (``around``) enters at once inside the hold and may tag the version; a
+    second hold is a no-op; release waits for the update inside to end, then the request
+    finishes, its tokens after the hold tagged with the new version. Outside a hold, the
+    update's pause is the engine's own."""
+    from pipelinerl_sdk.kit.inference.hold import GenerationHold
+
+    async def body() -> None:
+        engine = await started(model, max_model_len=256)
+        hold = GenerationHold(engine.paused)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+            stream = engine.stream(prompts[0], params)
+            tags: list[int] = []
+            first = await anext(stream)
+            tags += list(first.versions)
+            await hold.hold()
+            await hold.hold()  # held already: at once
+            assert hold.held and engine.stats().paused
+            frozen = engine.stats().generated_tokens
+            await asyncio.sleep(0.3)
+            assert engine.stats().generated_tokens == frozen
+            inside = asyncio.Event()
+            leave = asyncio.Event()
+
+            async def update() -> None:
+                async with hold.around(engine.paused)():
+                    engine.set_version(1)  # only allowed while the loop is parked
+                    inside.set()
+                    await leave.wait()
+
+            task = asyncio.create_task(update())
+            await asyncio.wait_for(inside.wait(), 5)  # entered at once: the hold parks the loop
+            releasing = asyncio.create_task(hold.release())
+            await asyncio.sleep(0.2)
+            assert not releasing.done() and engine.stats().generated_tokens == frozen, "released under an update"
+            leave.set()
+            await asyncio.wait_for(asyncio.gather(task, releasing), 5)
+            assert not hold.held
+            async for step in stream:
+                tags += list(step.versions)
+            assert len(tags) == 120 and tags == sorted(tags) and tags[-1] == 1, tags
+            assert tags.count(0) <= frozen, (tags.count(0), frozen)  # none computed while held
+            async with hold.around(engine.paused)():  # no hold: the engine's own pause
+                assert engine.stats().paused
+            assert not engine.stats().paused
+        finally:
+            await engine.stop()
+
+    run(body())

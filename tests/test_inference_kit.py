@@ -426,6 +426,7 @@ def test_engine_card_is_what_the_registry_and_the_backend_class_both_read(tiny_m
         completions=True,
         structured_outputs=True,
         logprobs_modes=frozenset(LOGPROBS_MODES),
+        pause_generation=True,
     )
     assert ReferenceInferenceBackend.capabilities == CARD.capabilities == full
     assert CARD.capabilities.prompt_logprobs and CARD.capabilities.group_backends == {"gloo", "nccl"}

@@ -6,6 +6,9 @@ adapter's tests."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,9 +20,11 @@ import torch
 
 from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.errors import FanOutError, ServerError
+from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.http.vllm_flow import ControlTokenClient, VLLMFlowLink, VLLMFlowPublisher
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import ParamSpec
+from pipelinerl_sdk.weights.publisher import WeightPublisher
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +72,20 @@ def _long_call(proc: ServerProcess) -> list[int]:
     r = httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return list(r.json()["choices"][0]["weight_versions"])
+
+
+def _streamed_call(proc: ServerProcess, started: threading.Event) -> list[int]:
+    """A streamed 200-token call's version tags; ``started`` set once two tokens came."""
+    body = {"messages": PROMPT, "max_tokens": 200, "temperature": 1.0, "ignore_eos": True, "seed": 2, "stream": True}
+    tags: list[int] = []
+    with httpx.stream("POST", f"{proc.url}/v1/chat/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tags.extend(choice.get("weight_versions", []))
+            if len(tags) >= 2:
+                started.set()
+    return tags
 
 
 def test_vllms_flow_updates_the_server_while_requests_run(server: ServerProcess, tiny_model: Path) -> None:
@@ -162,3 +181,47 @@ def test_a_session_start_twice_is_refused_and_finish_closes_it(server: ServerPro
     finally:
         flow.close()
         client.close()
+
+
+def test_a_keep_pause_holds_generation_and_an_sdk_update_lands_inside_it(
+    server: ServerProcess, tiny_model: Path
+) -> None:
+    """vLLM's ``/pause`` on the SDK's server: the control token required, modes other than
+    ``keep`` refused naming ``mode``; ``keep`` holds a running request (idempotent), an update
+    through the SDK's own routes lands inside the hold and leaves it held; ``/resume``
+    (idempotent) lets the request finish whole, its tokens after the resume tagged with the new
+    version."""
+    assert _post(server, "/pause", token=None).status_code == 401
+    for mode in ("abort", "wait", "bogus"):
+        r = httpx.post(f"{server.url}/pause?mode={mode}", headers={"Authorization": f"Bearer {server.control_token}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mode", (mode, r.text)
+    assert httpx.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": False}
+    mirror = Mirror(tiny_model, "float32")
+    start = httpx.get(f"{server.url}/info", timeout=10).json()["version"]
+
+    async def update_while_paused() -> None:
+        async with InferenceClient(server.url, control_token=server.control_token) as client:
+            publisher = WeightPublisher([client], bucket_bytes=1 << 20, timeout_s=60)
+            await publisher.connect()
+            mirror.perturb(seed=start + 1, scale=0.05)
+            await mirror.publish(publisher, start + 1, (await client.info()).params)
+            await publisher.close()
+
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(_streamed_call, server, started)
+        assert started.wait(120), "the streamed call never began"
+        for _ in range(2):  # idempotent
+            r = _post(server, "/pause?mode=keep")
+            assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
+        assert httpx.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": True}
+        asyncio.run(update_while_paused())
+        assert httpx.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": True}
+        assert not call.done(), "the paused request finished while the server was paused"
+        for _ in range(2):
+            r = _post(server, "/resume")
+            assert r.status_code == 200 and r.json() == {"status": "resumed"}, r.text
+        assert httpx.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": False}
+        tags = call.result(timeout=300)
+    assert len(tags) == 200 and tags == sorted(tags) and tags[-1] == start + 1 and tags[0] == start, tags
+    _serves(server, mirror, start + 1)

@@ -75,6 +75,8 @@ class FlowTarget:
     publisher: WeightPublisher
     send: Callable[[WeightSender], None]
     specs: Sequence[ParamSpec]
+    #: The server's control token: an engine's own RL routes on an SDK server need it.
+    control_token: str | None = None
 
     @property
     def group(self) -> WeightSyncGroup:

@@ -263,7 +263,10 @@ async def _bench(
             modes[mode] = await bench_mode(sdk)
             modes[mode]["meets_targets"] = _meets(mode, modes[mode])
         if flow is not None:
-            native_flow, target = flow, FlowTarget(server.url, publisher, trainer.gather_and_broadcast, specs)
+            native_flow, target = (
+                flow,
+                FlowTarget(server.url, publisher, trainer.gather_and_broadcast, specs, server.control_token),
+            )
 
             async def native(version: int) -> UpdateRecord:
                 done = await native_flow.update(target, version)

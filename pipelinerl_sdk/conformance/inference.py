@@ -36,6 +36,7 @@ from pipelinerl_sdk.conformance.common import (
 from pipelinerl_sdk.conformance.doors import DOORS, Door, post_update
 from pipelinerl_sdk.conformance.generation import GenerationChecks
 from pipelinerl_sdk.conformance.mirror import Mirror, compare
+from pipelinerl_sdk.conformance.pause import PauseChecks
 from pipelinerl_sdk.conformance.sampling import SamplingChecks
 from pipelinerl_sdk.conformance.serving import ServingChecks
 from pipelinerl_sdk.conformance.structured import StructuredOutputChecks
@@ -145,7 +146,9 @@ def _bad_update_cases(info: ServerInfo) -> dict[str, tuple[dict[str, Any] | str,
     }
 
 
-class InferenceContractTests(SamplingChecks, GenerationChecks, StructuredOutputChecks, VersionTagChecks, ServingChecks):
+class InferenceContractTests(
+    SamplingChecks, GenerationChecks, StructuredOutputChecks, VersionTagChecks, ServingChecks, PauseChecks
+):
     """The inference contract, checked on ``server_under_test`` (one server per module)."""
 
     # --- schemas and basics ---------------------------------------------------------------------

@@ -56,6 +56,14 @@ REQUIREMENTS: dict[str, Requirement] = {
         Requirement(
             "structured_outputs", "JSON, regex, choice and forced tool calls (the loop samples free text)", loop=False
         ),
+        Requirement(
+            "vllm_rl_api",
+            "the update checks again through vLLM's RL routes (the loop updates through the SDK's)",
+            loop=False,
+        ),
+        Requirement(
+            "pause_generation", "vLLM's /pause?mode=keep and /resume (the loop updates without a pause)", loop=False
+        ),
     )
 }
 

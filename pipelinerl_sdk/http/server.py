@@ -212,6 +212,46 @@ def _bearer_guard(tokens: tuple[str, ...], what: str, *, wrong: int = 403) -> Gu
     return guard
 
 
+class _EngineRouteGuard:
+    """ASGI middleware: the engine's own routes ``access`` names answer only the credentials the
+    SDK's routes of that access take (``control``: the control token; ``read``: the API key or
+    the control token where an API key is set, else open); the rest pass untouched."""
+
+    def __init__(self, app: Any, *, access: dict[str, Literal["read", "control"]], guards: dict[str, Guard]) -> None:
+        self.app, self.access, self.guards = app, access, guards
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        kind = self.access.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if kind is not None:
+            try:
+                await self.guards[kind](Request(scope))
+            except HTTPError as e:
+                await error_response(e.status, e.message, kind=e.kind)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def guard_engine_routes(
+    app: FastAPI, access: dict[str, Literal["read", "control"]], *, control_token: str, api_key: str | None
+) -> None:
+    """Put the SDK's credentials in front of routes the engine's own app serves at the paths of
+    ``access`` (vLLM's RL routes under ``VLLM_SERVER_DEV_MODE``, which vLLM serves to anyone):
+    a control path answers only ``control_token`` (401 without a bearer token, 403 with a wrong
+    one), a read path the API key or the control token where ``api_key`` is set. Call before
+    the app serves (its middleware stack is rebuilt)."""
+    from starlette.middleware import Middleware
+
+    if not control_token:
+        raise ValueError("control_token must be set: control routes are never open")
+    guards = {
+        "control": _bearer_guard((control_token,), "control routes"),
+        "read": _bearer_guard((api_key, control_token) if api_key else (), "this route"),
+    }
+    app.user_middleware.insert(0, Middleware(_EngineRouteGuard, access=access, guards=guards))
+    if app.middleware_stack is not None:
+        app.middleware_stack = app.build_middleware_stack()
+
+
 async def read_body(request: Request, limit: int) -> None:
     """Read ``request``'s body (kept for FastAPI to parse), refusing one past ``limit`` bytes with
     :class:`RequestTooLarge`: by its Content-Length before reading anything, and while reading

@@ -35,8 +35,18 @@ unauthenticated under ``VLLM_SERVER_DEV_MODE``; the SDK never does):
 - ``GET /get_world_size``: the workers that join the group (``/info``'s ``receiving_workers``);
 - ``POST /shutdown_weight_transfer_engine``: 501 (the group stays until a new init replaces it).
 
-Not served yet: ``/pause``, ``/resume``, ``/is_paused``, ``/abort_requests``, draft updates,
-``/weight_checker``. The SDK keeps requests in flight through an update without them.
+- ``POST /pause?mode=keep`` (``clear_cache`` read and ignored, as vLLM ignores it with
+  ``keep``), ``POST /resume``, ``GET /is_paused``, where the backend declares
+  ``pause_generation``: generation held (requests in flight frozen and kept, new ones waiting)
+  until ``/resume``; updates through either door run inside the hold, their tokens after it
+  tagged with the new version. ``{"status": "paused"}``, ``{"status": "resumed"}``,
+  ``{"is_paused": bool}`` as vLLM; both idempotent. Modes ``abort`` (vLLM's default: drops the
+  requests in flight) and ``wait`` are refused (400 naming ``mode``), as is a backend without
+  the capability (501). A hold never released holds generation until the server stops, as on
+  vLLM.
+
+Not served yet: ``/abort_requests``, draft updates, ``/weight_checker``. The SDK keeps requests
+in flight through an update without a pause.
 """
 
 from __future__ import annotations
@@ -49,13 +59,13 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from pipelinerl_sdk.contracts import InferenceBackend, UpdateReport
+from pipelinerl_sdk.contracts import GenerationHoldLike, InferenceBackend, UpdateReport
 from pipelinerl_sdk.errors import InvalidRequest
 from pipelinerl_sdk.http.update_door import ControlRefused, UpdateDoor, UpdateRun
 from pipelinerl_sdk.protocol import InitProcessGroupRequest, ParamSpec, WeightUpdateRequest
 from pipelinerl_sdk.weights.buckets import BucketPlan
 
-__all__ = ["ROUTES", "VLLMRLFront", "serve_vllm_rl"]
+__all__ = ["PAUSE_MODES", "ROUTES", "VLLMRLFront", "serve_vllm_rl"]
 
 #: The paths this front serves, and who may call them (as :data:`pipelinerl_sdk.http.server.ROUTES`).
 ROUTES: dict[str, Literal["read", "control"]] = {
@@ -65,9 +75,15 @@ ROUTES: dict[str, Literal["read", "control"]] = {
     "/finish_weight_update": "control",
     "/update_weight_version": "control",
     "/shutdown_weight_transfer_engine": "control",
+    "/pause": "control",
+    "/resume": "control",
     "/weight_info": "read",
     "/get_world_size": "read",
+    "/is_paused": "read",
 }
+
+#: ``/pause`` modes of vLLM 0.32; the SDK's servers serve ``keep`` (the one async RL uses).
+PAUSE_MODES = ("abort", "wait", "keep")
 
 #: ``init_info`` keys of vLLM's own transfers, named in the refusal.
 _NCCL_KEYS = ("master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed")
@@ -221,6 +237,32 @@ class VLLMRLFront:
             return self.label[1]
         return "default" if version == 0 else str(version)
 
+    # --- pause ----------------------------------------------------------------------------------
+
+    def hold(self) -> GenerationHoldLike:
+        """The backend's hold on generation; ControlRefused (501) where it has none."""
+        hold = self.backend.generation_hold() if self.backend.capabilities.pause_generation else None
+        if hold is None:
+            raise ControlRefused(
+                501,
+                f"/pause, /resume: the {self.backend.name} backend does not declare pause_generation "
+                "(an update keeps requests in flight without a pause)",
+                kind="not_implemented",
+            )
+        return hold
+
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}", field="mode")
+        if mode != "keep":
+            what = "drops the requests in flight" if mode == "abort" else "is not served"
+            raise InvalidRequest(
+                f"mode: {mode!r} {what}; this server pauses with mode=keep (requests in flight frozen, kept, "
+                "and finished after /resume)",
+                field="mode",
+            )
+        await self.hold().hold()
+
     # --- parsing --------------------------------------------------------------------------------
 
     def _one_info(self, payload: Any) -> dict[str, Any]:
@@ -336,6 +378,21 @@ def serve_vllm_rl(
     @router.post("/update_weight_version")
     async def update_weight_version(request: Request) -> dict[str, Any]:
         return front.set_label(await _json(request))
+
+    @router.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> dict[str, Any]:
+        await front.pause(mode)
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, Any]:
+        await front.hold().release()
+        return {"status": "resumed"}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, Any]:
+        hold = backend.generation_hold() if backend.capabilities.pause_generation else None
+        return {"is_paused": hold is not None and hold.held}
 
     @router.get("/weight_info")
     async def weight_info() -> dict[str, Any]:

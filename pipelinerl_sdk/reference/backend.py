@@ -32,6 +32,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     sampling_args,
 )
 from pipelinerl_sdk.kit.inference.completion import assemble_completion, completion_choice, plan_completion
+from pipelinerl_sdk.kit.inference.hold import EnginePause
 from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.kit.inference.structured import Grammars
 from pipelinerl_sdk.reference import capabilities
@@ -112,6 +113,9 @@ class ReferenceInferenceBackend(KitBackend):
         self._bucket_bytes = req.bucket_bytes
         return local_steps(self._receiver, self._weights, self._params, req, self.engine)
 
+    def engine_pause(self) -> EnginePause:
+        return self.engine.paused
+
     def cancel_waiting_update(self, reason: str) -> bool:
         group = self.book.group
         return group is not None and group.cancel_decision_wait(reason)
@@ -124,7 +128,8 @@ class ReferenceInferenceBackend(KitBackend):
         seconds, swapped = [], True
         for _ in range(repeats):
             staged = await asyncio.to_thread(self._weights.restage, self._params, plan)
-            async with self.engine.paused():
+            hold = self.generation_hold()
+            async with (hold.around(self.engine.paused) if hold is not None else self.engine.paused)():
                 t0 = time.perf_counter()
                 swapped = self._weights.apply(staged, self._params).swapped and swapped
                 seconds.append(time.perf_counter() - t0)

@@ -15,6 +15,7 @@ INFERENCE = replace(
     completions=True,
     structured_outputs=importlib.util.find_spec("xgrammar") is not None,
     logprobs_modes=frozenset(LOGPROBS_MODES),
+    pause_generation=True,
 )
 
 INFERENCE_CARD = EngineCard(

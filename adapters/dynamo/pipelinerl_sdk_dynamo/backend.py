@@ -45,6 +45,7 @@ from pipelinerl_sdk.kit.inference.chat import (
     version_label,
     versions_from_spans,
 )
+from pipelinerl_sdk.kit.inference.hold import EnginePause
 from pipelinerl_sdk_dynamo.plugin import CARD
 from pipelinerl_sdk_dynamo.processes import ClusterConfig, DynamoCluster
 
@@ -298,6 +299,9 @@ class DynamoInferenceBackend(KitBackend):
                     log.warning("closing worker %d's weight-update session failed: %s", i, r)
 
         return UpdateSteps(await_go, receive, apply, self._paused_all, arm=arm, abandon=abandon)
+
+    def engine_pause(self) -> EnginePause:
+        return self._paused_all
 
     @asynccontextmanager
     async def _paused_all(self) -> AsyncIterator[None]:

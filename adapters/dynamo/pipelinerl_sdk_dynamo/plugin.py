@@ -31,6 +31,7 @@ CAPABILITIES = replace(
     logit_bias=False,
     penalties=False,
     sampling_filters=False,
+    pause_generation=True,
 )
 
 CARD = EngineCard(

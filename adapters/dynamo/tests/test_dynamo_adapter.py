@@ -25,8 +25,10 @@ import psutil
 import pytest
 
 from pipelinerl_sdk.bench.anchor import FlowTarget
+from pipelinerl_sdk.conformance.common import check_against_mirror, connect
 from pipelinerl_sdk.conformance.cross import CrossCheckTests
 from pipelinerl_sdk.conformance.inference import InferenceContractTests
+from pipelinerl_sdk.conformance.mirror import Mirror
 from pipelinerl_sdk.conformance.stateful import StatefulContractTests
 from pipelinerl_sdk.conformance.targets import ServerUnderTest
 from pipelinerl_sdk.errors import FanOutError
@@ -250,7 +252,9 @@ def test_native_flow_anchor_updates_every_worker(dynamo_server: ServerProcess, t
             ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
             trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), objective)
             trainer.step()
-            target = FlowTarget(dynamo_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs())
+            target = FlowTarget(
+                dynamo_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs(), dynamo_server.control_token
+            )
             done = await flow.update(target, info.version + 1)
             assert done.send_s > 0 and 0 < done.pause_s <= done.wall_s
             assert info.workers is not None
@@ -287,6 +291,45 @@ def test_vllms_own_trainer_code_updates_both_workers_while_requests_run(
     from pipelinerl_sdk_vllm.testing import vllm_trainer_updates_while_requests_run
 
     vllm_trainer_updates_while_requests_run(dynamo_server.url, dynamo_server.control_token, tiny_model)
+
+
+@requires_dynamo
+def test_a_keep_pause_holds_both_workers_and_an_update_lands_inside_it(
+    server_under_test: ServerUnderTest, mirror: Mirror
+) -> None:
+    """``/pause?mode=keep`` on the Dynamo server (the suite's pause check needs streaming, which
+    this backend does not declare): a request sent while paused waits, on either worker, until
+    ``/resume``; an update through vLLM's routes lands inside the hold on both workers and
+    leaves it held; after ``/resume`` the waiting request completes, every token tagged with
+    the new version and computed by the new weights."""
+    url = server_under_test.url
+    control = {"Authorization": f"Bearer {server_under_test.control_token}"}
+
+    async def body() -> None:
+        async with (
+            server_under_test.client() as client,
+            httpx.AsyncClient(base_url=url, headers=control, timeout=120) as http,
+        ):
+            publisher = await connect(server_under_test, client, door="vllm_rl")
+            info = await client.info()
+            r = await http.post("/pause", params={"mode": "keep"})
+            assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            waiting = [asyncio.create_task(_scored(client, max_tokens=4)) for _ in range(2)]
+            await asyncio.sleep(2.0)
+            assert not any(w.done() for w in waiting), "a request was served while the server was paused"
+            mirror.perturb(seed=info.version + 1)
+            await mirror.publish(publisher, info.version + 1, info.params)
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}, "the update ended the pause"
+            assert not any(w.done() for w in waiting), "a request was served during the update inside the pause"
+            r = await http.post("/resume")
+            assert r.status_code == 200 and r.json() == {"status": "resumed"}, r.text
+            for resp in await asyncio.wait_for(asyncio.gather(*waiting), 120):
+                assert resp.choices[0].weight_versions == [info.version + 1] * 4
+                check_against_mirror(resp, mirror, prompt=False)
+            await publisher.close()
+
+    run(body)
 
 
 @requires_dynamo

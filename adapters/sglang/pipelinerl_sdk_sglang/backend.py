@@ -36,7 +36,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -63,6 +63,7 @@ from pipelinerl_sdk.kit.inference.completion import (
     plan_completion,
     vocabulary_bound,
 )
+from pipelinerl_sdk.kit.inference.hold import EnginePause
 from pipelinerl_sdk.kit.inference.stream import TokenStep
 from pipelinerl_sdk.kit.inference.structured import StructuredOutput, choice_grammar
 from pipelinerl_sdk.weights.auth import store_name
@@ -325,12 +326,23 @@ class SGLangInferenceBackend(KitBackend):
         self._decisions.clear(key)
 
     @asynccontextmanager
-    async def _paused(self) -> AsyncIterator[None]:
+    async def _engine_paused(self) -> AsyncIterator[None]:
+        """SGLang's own pause (``in_place``: requests in flight stay, frozen), resumed on exit."""
         await self.sglang.control("/pause_generation", {"mode": "in_place"})
         try:
             yield
         finally:
             await self.sglang.control("/continue_generation", {})
+
+    def engine_pause(self) -> EnginePause:
+        return self._engine_paused
+
+    def _paused(self) -> AbstractAsyncContextManager[Any]:
+        """Generation held for a hook's work (not an update's: the kit wraps those), sharing a
+        client's hold (``/pause?mode=keep``): inside one at once, else SGLang's pause."""
+        hold = self.generation_hold()
+        assert hold is not None
+        return hold.around(self._engine_paused)()
 
     def _await_go_and_sending(
         self, req: wire.WeightUpdateRequest, seen: dict[str, float]
@@ -401,7 +413,7 @@ class SGLangInferenceBackend(KitBackend):
         async def abandon() -> None:
             await self._roll_back(state["snapshot"], state["loaded"], state["session"])
 
-        return UpdateSteps(await_go, receive, apply, self._paused, abandon=abandon, stamps=lambda: seen)
+        return UpdateSteps(await_go, receive, apply, self._engine_paused, abandon=abandon, stamps=lambda: seen)
 
     def _staged_steps(self, req: wire.WeightUpdateRequest) -> UpdateSteps:
         """``staged``: after the trainer's go and sending mark, each TP rank's staged receiver
@@ -455,7 +467,12 @@ class SGLangInferenceBackend(KitBackend):
                     raise PluginError(f"staged update failed and closing SGLang's session failed too: {e}") from e
 
         return UpdateSteps(
-            self._await_go_and_sending(req, seen), receive, apply, self._paused, abandon=abandon, stamps=lambda: seen
+            self._await_go_and_sending(req, seen),
+            receive,
+            apply,
+            self._engine_paused,
+            abandon=abandon,
+            stamps=lambda: seen,
         )
 
     def _staged_paths(self) -> list[str]:

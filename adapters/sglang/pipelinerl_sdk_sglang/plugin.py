@@ -44,6 +44,7 @@ CAPABILITIES = replace(
     streaming=True,
     completions=True,
     structured_outputs=True,
+    pause_generation=True,
 )
 
 CARD = EngineCard(

@@ -39,7 +39,8 @@ class VLLMNativeFlow(FlowSettings):
 
     async def update(self, target: FlowTarget, version: int) -> NativeUpdate:
         info = receive_info(version, target.specs, target.publisher.bucket_bytes, self.timeout_s, blocking=True)
-        async with httpx.AsyncClient(base_url=target.url, timeout=self.timeout_s + 30) as http:
+        token = {"Authorization": f"Bearer {target.control_token}"} if target.control_token else {}
+        async with httpx.AsyncClient(base_url=target.url, timeout=self.timeout_s + 30, headers=token) as http:
 
             async def post(path: str, **kwargs: Any) -> None:
                 r = await http.post(path, **kwargs)

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipelinerl_sdk.contracts import ServeConfig
 from pipelinerl_sdk.errors import PluginError
@@ -82,6 +82,27 @@ def vllm_cli_args(config: ServeConfig, port: int) -> list[str]:
     args += ["--logprobs-mode", config.logprobs_mode]  # vLLM's own meanings: passed through
     args += opts.get("vllm_args", "").split()
     return args
+
+
+def dev_mode_routes() -> dict[str, Literal["read", "control"]]:
+    """The paths vLLM serves under ``VLLM_SERVER_DEV_MODE=1`` (its dev routers: caches, RPC,
+    sleep, server info; and its RL API: pause, the weight-transfer flow), unauthenticated there,
+    with the access the SDK gives each: its own front's (``/weight_info``, ``/get_world_size``,
+    ``/is_paused`` read), else control. The SDK's own routes are left out (its router answers
+    them)."""
+    from fastapi import FastAPI
+    from fastapi.routing import APIRoute
+    from vllm.entrypoints.rl.factories import register_rl_api_routers
+    from vllm.entrypoints.serve import register_vllm_dev_api_routers
+
+    from pipelinerl_sdk.http.server import ROUTES
+    from pipelinerl_sdk.http.vllm_rl import ROUTES as VLLM_RL_ROUTES
+
+    probe = FastAPI()
+    register_vllm_dev_api_routers(probe)
+    register_rl_api_routers(probe)
+    paths = {r.path for r in probe.router.routes if isinstance(r, APIRoute)} - set(ROUTES)
+    return {path: VLLM_RL_ROUTES.get(path, "control") for path in sorted(paths)}
 
 
 #: Where ``--option native_generation_routes=1`` serves vLLM's own generation handlers (under
@@ -160,6 +181,7 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http
 
+    from pipelinerl_sdk.http.server import guard_engine_routes
     from pipelinerl_sdk.kit.inference.serve import EXIT_MARGIN_S, KEEP_ALIVE_S, exit_after, install_contract
 
     if backend._inbox is not None:
@@ -171,6 +193,8 @@ async def _serve(backend: VLLMInferenceBackend, config: ServeConfig, args: Any, 
         app = build_app(args, supported, engine.model_config)
         if config.options.get("native_generation_routes", "0") == "1":
             expose_native_generation(app)
+        if envs.VLLM_SERVER_DEV_MODE:  # vLLM serves its dev and RL routes to anyone: not here
+            guard_engine_routes(app, dev_mode_routes(), control_token=config.control_token, api_key=config.api_key)
         install_contract(app, backend, config)  # rebuilds vLLM's prebuilt middleware stack
         await init_app_state(engine, app.state, args, supported)
         announce = asyncio.create_task(_announce(app, config, port))

@@ -674,7 +674,9 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
             ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(7)).tolist()
             trainer.backward(TokenBatch(input_ids=ids, completion_start=[6, 6]), _objective)
             trainer.step()
-            target = FlowTarget(vllm_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs())
+            target = FlowTarget(
+                vllm_server.url, pub, trainer.gather_and_broadcast, trainer.param_specs(), vllm_server.control_token
+            )
             done = await flow.update(target, info.version + 1)
             assert done.send_s > 0 and 0 < done.pause_s <= done.wall_s
             async with httpx.AsyncClient(base_url=vllm_server.url) as http:
@@ -703,11 +705,14 @@ def test_native_flow_anchor_updates_vllm(vllm_server: ServerProcess, tiny_model:
 def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_engine(
     vllm_server: ServerProcess, tiny_model: Path
 ) -> None:
-    """vLLM's trainer-side code and HTTP client, unchanged, against vLLM's own RL routes (dev
-    mode, no SDK route on the way), over the adapter's ``pipelinerl`` engines on both sides: the
-    weights arrive (logprobs equal the trainer's, fp32: 1e-4) and vLLM's /weight_info names the
-    version; an update for params vLLM does not hold is refused by the worker engine before any
-    byte (vLLM answers it as a bare 500) and the weights served stay."""
+    """vLLM's trainer-side code, unchanged, against vLLM's own RL routes (dev mode, no SDK route
+    on the way, the SDK's control token in front: vLLM's own ``HTTPVLLMWeightSyncClient``, which
+    sends none, is answered 401, as are vLLM's dev routes), over the adapter's ``pipelinerl``
+    engines on both sides: the weights arrive (logprobs equal the trainer's, fp32: 1e-4) and
+    vLLM's /weight_info names the version; an update for params vLLM does not hold is refused
+    by the worker engine before any byte (vLLM answers it as a 500) and the weights served
+    stay."""
+    import requests
     from pipelinerl_sdk_vllm.testing import served_logprob_gap
     from pipelinerl_sdk_vllm.trainer_engine import PipelineRLTrainerInitInfo
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -716,13 +721,19 @@ def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_eng
 
     from pipelinerl_sdk.conformance.mirror import Mirror
     from pipelinerl_sdk.errors import FanOutError
+    from pipelinerl_sdk.http.vllm_flow import ControlTokenClient
 
     mirror = Mirror(tiny_model, "float32")
     url = vllm_server.url
     world = httpx.get(f"{url}/get_world_size", timeout=10).json()["world_size"]
+    with pytest.raises(requests.HTTPError, match="401"):  # vLLM's client sends no credentials
+        HTTPVLLMWeightSyncClient(url, timeout=30).start_weight_update()
+    for path in ("/pause", "/collective_rpc", "/sleep", "/reset_prefix_cache"):  # vLLM's dev routes too
+        r = httpx.post(f"{url}{path}", json={}, timeout=10)
+        assert r.status_code == 401 and "bearer" in r.json()["error"]["message"], (path, r.text)
     engine = WeightTransferTrainerFactory.trainer_init(
         PipelineRLTrainerInitInfo(world_size=1 + world, rank=0, bucket_bytes=1 << 20, timeout_s=60, first_version=100),
-        client=HTTPVLLMWeightSyncClient(url, timeout=120),
+        client=ControlTokenClient(url, vllm_server.control_token),
         source=ModuleSource(mirror.model),
     )
 
@@ -734,9 +745,9 @@ def test_vllms_own_trainer_code_updates_vllms_own_routes_with_the_pipelinerl_eng
         held = mirror.state()
         with torch.no_grad():  # a param vLLM does not hold: refused by vLLM's worker, no byte sent
             mirror.model.lm_head.register_parameter("extra", torch.nn.Parameter(torch.zeros(4)))
-        # vLLM's route answers the worker's refusal (ValueError naming the param) as a bare 500:
-        # vLLM's own answer, with the reason in its log only
-        with pytest.raises(FanOutError, match=r"update_weights \(receive\).*500"):
+        # vLLM's route answers the worker's refusal (ValueError naming the param) as a 500, the
+        # worker's message in its body (vLLM's own answer: no 4xx)
+        with pytest.raises(FanOutError, match=r"POST /update_weights: 500 .*unknown param 'lm_head.extra'"):
             engine.send_weights()
         assert "params[" in vllm_server.log_path.read_text() and "unknown param 'lm_head.extra'" in (
             vllm_server.log_path.read_text()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +19,7 @@ from pipelinerl_sdk.kit.inference.book import GroupBook
 from pipelinerl_sdk.kit.inference.card import EngineCard
 from pipelinerl_sdk.kit.inference.chat import ChatPlan, plan_chat
 from pipelinerl_sdk.kit.inference.completion import plan_completion
+from pipelinerl_sdk.kit.inference.hold import GenerationHold
 from pipelinerl_sdk.kit.inference.stream import TokenStep, chat_chunks, completion_chunks
 from pipelinerl_sdk.kit.inference.tokenize import detokenize, tokenize
 from pipelinerl_sdk.kit.inference.tools import TOOL_CALL_PARSERS
@@ -107,6 +110,7 @@ class KitBackend(InferenceBackend):
         #: The model's vocabulary size (its config's ``vocab_size``: :meth:`read_model_files`, or
         #: the adapter's own); token-id prompts are checked against it (and the tokenizer's size).
         self.vocab_size: int | None = None
+        self._client_hold: GenerationHold | None = None
 
     @property
     def tool_parser(self) -> str | None:
@@ -171,7 +175,24 @@ class KitBackend(InferenceBackend):
     async def update_weights(
         self, req: WeightUpdateRequest, mode: ReceiveMode, on_accepted: Callable[[], None]
     ) -> UpdateReport:
-        return await run_update(self.book, req, mode, on_accepted, self.update_steps(req, mode))
+        steps = self.update_steps(req, mode)
+        hold = self.generation_hold()
+        if hold is not None:  # an update made while a client holds generation runs inside the hold
+            steps = replace(steps, paused=hold.around(steps.paused))
+        return await run_update(self.book, req, mode, on_accepted, steps)
+
+    def engine_pause(self) -> Callable[[], AbstractAsyncContextManager[Any]] | None:
+        """The engine's pause (the one its updates hold generation with), for a client's hold
+        (:meth:`generation_hold`); a backend whose card declares ``pause_generation`` returns it.
+        Default: None."""
+        return None
+
+    def generation_hold(self) -> GenerationHold | None:
+        if self._client_hold is None:
+            pause = self.engine_pause()
+            if pause is not None:
+                self._client_hold = GenerationHold(pause)
+        return self._client_hold
 
     def update_steps(self, req: WeightUpdateRequest, mode: ReceiveMode) -> UpdateSteps:
         """The engine's steps of the update to ``req.version`` (validated already)."""
