@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, default, what in (
         ("--max-body-bytes", int, limits.max_body_bytes, "request bodies past this get 413"),
         ("--max-queued-requests", int, limits.max_queued_requests, "chat requests admitted at once; more get 429"),
-        ("--max-tokens-in-flight", int, limits.max_tokens_in_flight, "n x max_tokens admitted at once; more get 429"),
+        ("--max-tokens-in-flight", int, limits.max_tokens_in_flight, "prompts x n x max_tokens at once; more: 429"),
         ("--shutdown-timeout", float, limits.shutdown_timeout_s, "seconds SIGTERM waits before aborting requests"),
     ):
         s.add_argument(flag, type=kind, default=default, help=what)

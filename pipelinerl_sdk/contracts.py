@@ -178,7 +178,7 @@ class ServeConfig:
     #: Chat requests admitted at once (running or queued in the engine); past it: 429.
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     #: Completion tokens the admitted chat requests may still generate (``n`` x token budget,
-    #: summed); past it: 429. A request alone past it is admitted when nothing else runs.
+    #: summed); past it: 429. A request whose own budget is past it: 400 naming ``max_tokens``/``n``.
     max_tokens_in_flight: int = DEFAULT_MAX_TOKENS_IN_FLIGHT
     #: On SIGTERM, requests still running after this many seconds are aborted; the process exits
     #: a few seconds later at most (a receive stuck in a collective included).

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipelinerl_sdk.errors import InvalidRequest, Overloaded
-from pipelinerl_sdk.http.admission import Admission, Limits, chat_cost
+from pipelinerl_sdk.http.admission import Admission, Limits, chat_cost, cost_field
 from pipelinerl_sdk.kit.inference.chat import MIN_TEMPERATURE, check_text, sampling_temperature
-from pipelinerl_sdk.protocol import ChatCompletionRequest
+from pipelinerl_sdk.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @given(
@@ -27,13 +27,16 @@ def test_admission_never_exceeds_its_bounds_and_releases_everything(
         for cost in costs:
             before = (adm.requests, adm.tokens)
             try:
-                held.enter_context(adm.admit(cost))
+                held.enter_context(adm.admit(cost, field="n"))
+            except InvalidRequest as e:  # can never fit: refused whatever runs
+                assert cost > max_tokens and e.field == "n" and (adm.requests, adm.tokens) == before
+                continue
             except Overloaded as e:
                 assert (adm.requests, adm.tokens) == before and e.retry_after_s >= 1
                 assert before[0] >= max_requests or before[1] + cost > max_tokens
                 continue
-            assert adm.requests <= max_requests
-            assert adm.tokens <= max_tokens or adm.requests == 1  # alone past the bound: admitted
+            assert cost <= max_tokens
+            assert adm.requests <= max_requests and adm.tokens <= max_tokens
     assert (adm.requests, adm.tokens) == (0, 0)
 
 
@@ -45,6 +48,10 @@ def test_admission_releases_on_error_and_costs_n_times_the_budget() -> None:
     msgs = [{"role": "user", "content": "hi"}]
     assert chat_cost(ChatCompletionRequest(messages=msgs, n=3, max_tokens=7), 256) == 21
     assert chat_cost(ChatCompletionRequest(messages=msgs, n=2), 256) == 512
+    # the hostile request: 1000 prompts x 128 x 2000 tokens, 244x the default bound
+    many = CompletionRequest(prompt=[[5]] * 1000, n=128, max_tokens=2000)
+    assert chat_cost(many, 256) == 256_000_000 and cost_field(many, 256, 1 << 20) == "max_tokens"
+    assert cost_field(ChatCompletionRequest(messages=msgs, n=8, max_tokens=100), 256, 500) == "n"
     with pytest.raises(ValueError, match="max_requests"):
         Limits(max_requests=0)
 

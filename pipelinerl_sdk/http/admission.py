@@ -1,6 +1,8 @@
 """Admission of chat requests: a server takes at most so many requests, and so many completion
 tokens, at once; past either bound a request is refused at once (:class:`Overloaded`, 429 with
-``Retry-After``) instead of queueing without end behind work it cannot reach."""
+``Retry-After``) instead of queueing without end behind work it cannot reach. A request whose own
+budget is past the token bound can never be admitted: a 400 naming ``max_tokens`` or ``n``,
+whatever else runs."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pipelinerl_sdk.contracts import (
     DEFAULT_MAX_TOKENS_IN_FLIGHT,
     ServeConfig,
 )
-from pipelinerl_sdk.errors import Overloaded
+from pipelinerl_sdk.errors import InvalidRequest, Overloaded
 from pipelinerl_sdk.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -50,6 +52,13 @@ def chat_cost(req: ChatCompletionRequest | CompletionRequest, default_budget: in
     return prompts * req.n * (req.token_budget or default_budget)
 
 
+def cost_field(req: ChatCompletionRequest | CompletionRequest, default_budget: int, bound: int) -> str:
+    """The field to name when ``req``'s cost is past ``bound``: ``n`` where one sample of each
+    prompt would fit, else ``max_tokens``."""
+    one = chat_cost(req.model_copy(update={"n": 1}), default_budget)
+    return "n" if req.n > 1 and one <= bound else "max_tokens"
+
+
 class Admission:
     """The requests and tokens admitted now. Event-loop only (not thread-safe)."""
 
@@ -59,11 +68,18 @@ class Admission:
         self.tokens = 0
 
     @contextmanager
-    def admit(self, cost: int) -> Iterator[None]:
+    def admit(self, cost: int, *, field: str = "max_tokens") -> Iterator[None]:
         """Hold ``cost`` tokens and one request slot for the block; :class:`Overloaded` (nothing
-        held) past a bound. A request past the token bound alone is admitted when nothing else
-        is in flight, so a bound smaller than one request never refuses it for ever."""
+        held) past a bound now. A ``cost`` past the token bound itself can never be admitted:
+        :class:`InvalidRequest` naming ``field`` (the request's, :func:`cost_field`)."""
         lim = self.limits
+        if cost > lim.max_tokens:
+            raise InvalidRequest(
+                f"{field}: this request may generate {cost} tokens (prompts x n x max_tokens, or the context "
+                f"length without max_tokens), past this server's bound of {lim.max_tokens} tokens in flight; "
+                "it can never be admitted: ask for fewer",
+                field=field,
+            )
         if self.requests >= lim.max_requests:
             raise Overloaded(f"server busy: {self.requests} requests in flight (limit {lim.max_requests}); retry later")
         if self.tokens and self.tokens + cost > lim.max_tokens:

@@ -45,7 +45,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -71,7 +71,7 @@ from pipelinerl_sdk.errors import (
     UpdateFailed,
     UpdateRejected,
 )
-from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost
+from pipelinerl_sdk.http.admission import UNKNOWN_CONTEXT_BUDGET, Admission, Limits, chat_cost, cost_field
 from pipelinerl_sdk.http.echo import complete_with_echo
 from pipelinerl_sdk.http.update_door import ControlRefused, UpdateDoor
 from pipelinerl_sdk.http.update_door import trainer_host_allowed as trainer_host_allowed  # re-exported (its old home)
@@ -328,6 +328,13 @@ def build_router(
     abort its work in the engine on ``CancelledError``."""
     limits = limits or Limits()
     admission = Admission(limits)
+
+    def admit(req: ChatCompletionRequest | CompletionRequest) -> AbstractContextManager[None]:
+        """``req`` under admission: its whole token budget counted (400 if it can never fit)."""
+        budget = backend.max_model_len or UNKNOWN_CONTEXT_BUDGET
+        cost = chat_cost(req, budget)
+        return admission.admit(cost, field=cost_field(req, budget, limits.max_tokens))
+
     if not control_token:
         raise ValueError("control_token must be set: control routes are never open")
     if api_key is not None and secrets.compare_digest(control_token, api_key):
@@ -460,7 +467,7 @@ def build_router(
                 f"stream: the {backend.name} backend does not stream; send stream=false", field="stream"
             )
         held = ExitStack()
-        held.enter_context(admission.admit(chat_cost(req, backend.max_model_len or UNKNOWN_CONTEXT_BUDGET)))
+        held.enter_context(admit(req))
         try:
             try:
                 chunks = await open_stream(req)
@@ -526,7 +533,7 @@ def build_router(
         """``call(req)`` under admission, cancelled if the client disconnects first; its
         response as JSON with the served model name."""
         try:
-            with admission.admit(chat_cost(req, backend.max_model_len or UNKNOWN_CONTEXT_BUDGET)):
+            with admit(req):
                 work = asyncio.ensure_future(call(req))
                 gone = asyncio.ensure_future(_client_gone(request))
                 try:

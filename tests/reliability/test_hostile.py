@@ -38,7 +38,8 @@ SAMPLED_64 = {"temperature": 1.0, "max_tokens": 64, "ignore_eos": True}
 #: A token seen before: its logit / 1e-40 overflows float32 to infinity.
 OVERFLOWING = {**SMALL, **SAMPLED_64, "top_p": 0.9, "repetition_penalty": 1e-40}
 #: A request that keeps one sequence slot busy for minutes on the tiny model at batch size 1.
-HOG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True, "n": 64}
+#: Two sequences of 1450 tokens: the limited server's whole batch and nearly its token bound (3000).
+HOG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 1450, "ignore_eos": True, "n": 2}
 
 
 def post(srv: ServerProcess, path: str, body: Any, **kw: Any) -> httpx.Response:
@@ -280,14 +281,19 @@ def test_requests_past_the_admission_limits_get_429_with_retry_after(limited: Se
     assert "requests in flight (limit 3)" in requests
     for r in refused:
         assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded"
-    # A request alone past the token bound is admitted when nothing else runs.
-    assert post(limited, "/v1/chat/completions", {**SMALL, "max_tokens": 20, "n": 200 // 20}).status_code == 200
+    # A request whose own budget is past the token bound can never fit: a 400 naming the field to
+    # lower, whatever runs (it was admitted alone, then took the server from everyone else).
+    for body, field in (({**SMALL, "max_tokens": 3001}, "max_tokens"), ({**SMALL, "max_tokens": 1000, "n": 4}, "n")):
+        r = post(limited, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+        assert "can never be admitted" in r.json()["error"]["message"]
+    assert post(limited, "/v1/chat/completions", {**SMALL, "max_tokens": 20, "n": 10}).status_code == 200
 
 
 def test_a_client_that_leaves_frees_the_engine(limited: ServerProcess, backend: str) -> None:
-    """64 x 2000 tokens, 2 sequences at a time, take minutes; once its client left, a small
-    request is served at once: its admission freed (the limited server admits the 64 samples only
-    alone) and its sequences aborted in the engine (else the small one waits behind them)."""
+    """2 x 1450 tokens fill the limited server's batch (2) and nearly its token bound (3000); once
+    its client left, a small request is served at once: its admission freed (else a 429) and its
+    sequences aborted in the engine (else the small one waits behind them)."""
 
     async def body() -> tuple[httpx.Response, float, int]:
         async with httpx.AsyncClient(base_url=limited.url, timeout=600) as http:
@@ -307,7 +313,7 @@ def test_a_client_that_leaves_frees_the_engine(limited: ServerProcess, backend: 
 
     r, waited, refused = run(body)
     print(
-        f"\n[{backend}] a client left 64 x 2000 tokens: the next request served {waited:.2f} s later ({refused} x 429)"
+        f"\n[{backend}] a client left 2 x 1450 tokens: the next request served {waited:.2f} s later ({refused} x 429)"
     )
     assert r.status_code == 200, r.text[:300]
 
@@ -400,9 +406,9 @@ def test_sigterm_stops_the_server_with_work_in_flight(servers: Servers, backend:
                 assert srv.proc is not None
                 os.kill(srv.pid, signal.SIGTERM)
                 t0 = time.perf_counter()
-                code = await asyncio.to_thread(srv.proc.wait, 30)  # minutes of work were in flight
+                code = await asyncio.to_thread(srv.proc.wait, 30)  # seconds of work were in flight
                 print(
-                    f"\n[{backend}] SIGTERM, minutes of work in flight: exit after {time.perf_counter() - t0:.1f} s "
+                    f"\n[{backend}] SIGTERM, seconds of work in flight: exit after {time.perf_counter() - t0:.1f} s "
                     "(drain bound 1 s)"
                 )
                 with pytest.raises(httpx.HTTPError):  # the connection ends with the process
