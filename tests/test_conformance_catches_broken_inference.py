@@ -511,8 +511,9 @@ def test_the_checks_pass_on_a_correct_variant(backend: str, tmp_path: Path) -> N
     checks that could wrongly assume the reference's design."""
     checks = CORRECT_CHECKS[backend]
     run = _Pending((backend,), " or ".join(checks), tmp_path).result()
-    for check in checks:
-        assert [o.status for o in run.of(check)] == ["passed"], run.describe()
+    for check in checks:  # every parametrization (a door each, for the update checks)
+        statuses = [o.status for o in run.of(check)]
+        assert statuses and set(statuses) == {"passed"}, run.describe()
     assert run.returncode == 0, run.describe()
 
 

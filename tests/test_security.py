@@ -266,6 +266,47 @@ def test_new_group_ends_an_update_still_waiting_for_the_old_trainer(server: Any,
     run(body)
 
 
+def test_a_failed_init_leaves_the_pending_update_alone(server: Any) -> None:
+    """Issue 35, finding 5: a new ``/init_process_group`` whose trainer's store does not answer
+    is a 502 naming ``init_method``, and the update pending on the live group (waiting for its
+    trainer's decision) is left alone: still waiting, ended only by its own trainer (here a
+    call-off, whose reason it then names). It was ended by the failed init."""
+    headers = {"Authorization": f"Bearer {server.control_token}"}
+
+    async def body() -> None:
+        async with (
+            InferenceClient(server.url, control_token=server.control_token) as client,
+            httpx.AsyncClient(base_url=server.url, timeout=60, headers=headers) as http,
+        ):
+            live = WeightPublisher([client], bucket_bytes=64 << 10, timeout_s=30)
+            await live.connect()
+            assert live.group is not None
+            info = await client.info()
+            req = WeightUpdateRequest.model_validate(update_body(info, info.version + 1, timeout_s=120))
+            call = client.request_weight_update(req)
+            await asyncio.wait_for(call.accepted, 60)  # waiting for the live trainer's decision
+            with socket.socket() as s:  # a port nobody listens on once the block ends
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dead = {
+                "init_method": f"tcp://127.0.0.1:{port}", "rank_offset": 1, "world_size": 2,
+                "group_secret": new_group_secret(), "timeout_s": 5,
+            }  # fmt: skip
+            r = await http.post("/init_process_group", json=dead)
+            assert r.status_code == 502 and "does not answer" in r.text and "left as they were" in r.text, r.text
+            await asyncio.sleep(0.5)
+            assert not call.final.done(), "the failed init ended the pending update"
+            now = await client.info()
+            assert now.updating and now.group is not None and now.group.group_id == live.group.group_id
+            live.group.post_decision(update_key(req.version), go=False, reason="called off by its own trainer")
+            with pytest.raises(ServerError, match="called off by its own trainer"):
+                await asyncio.wait_for(call.final, 30)
+            assert (await client.info()).version == info.version
+            await live.close()
+
+    run(body)
+
+
 # --- 3. the token is checked before the body is read ----------------------------------------------
 
 

@@ -6,13 +6,14 @@ same single control slot is held, so the two doors cannot interleave."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipelinerl_sdk.contracts import InferenceBackend, UpdateReport
-from pipelinerl_sdk.errors import InvalidRequest, PipelineRLError
+from pipelinerl_sdk.errors import GroupError, InvalidRequest, PipelineRLError
 from pipelinerl_sdk.protocol import (
     InitProcessGroupRequest,
     InitProcessGroupResponse,
@@ -22,6 +23,27 @@ from pipelinerl_sdk.protocol import (
 )
 
 __all__ = ["ControlRefused", "ControlSlot", "UpdateDoor", "UpdateRun", "trainer_host_allowed"]
+
+
+#: How long :func:`store_answers` waits for the trainer's store (at most the request's timeout).
+STORE_PROBE_S = 5.0
+
+
+async def store_answers(init_method: str, timeout_s: float) -> None:
+    """Return once the TCP store ``init_method`` names accepts a connection; GroupError (502)
+    naming ``init_method`` if it does not within ``timeout_s`` (the wire type admits only
+    ``tcp://HOST:PORT``)."""
+    host, port = parse_init_method(init_method)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as e:
+        raise GroupError(
+            f"init_method {init_method!r}: the trainer's store does not answer ({type(e).__name__}: {e}); "
+            "the group this server holds, and an update pending on it, are left as they were"
+        ) from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
 
 
 class ControlRefused(PipelineRLError):
@@ -123,6 +145,10 @@ class UpdateDoor:
                 field="signed_rendezvous",
             )
         pending = self.slot.update
+        if pending is not None and not pending.done():
+            # a new group replaces the old one only if it can form: a trainer's store that does
+            # not answer leaves the group and its pending update alone
+            await store_answers(req.init_method, min(req.timeout_s, STORE_PROBE_S))
         if pending is not None and backend.cancel_waiting_update("a new /init_process_group replaced the group"):
             await asyncio.wait({pending}, timeout=30)  # it ends at once: it never entered a receive
         self.slot.take("init_process_group")

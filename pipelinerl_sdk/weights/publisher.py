@@ -92,6 +92,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+#: After a failed send, the least the publisher waits for the servers' answers (a live one answers
+#: once the group's connections close) when the send itself used up the update's ``timeout_s``.
+FAILED_SEND_GRACE_S = 0.25
+
 #: The trainer's phases of one update (:attr:`PublishResult.stamps`), in order.
 TRAINER_PHASES: tuple[str, ...] = (
     "request_sent",  # the requests are handed to the clients
@@ -242,6 +246,7 @@ class WeightPublisher:
             stamps["sending_posted"] = time.time()
 
         sender = WeightSender(group, plan, self._buffers, on_start=on_start)
+        send_began = loop.time()
         try:
             yield sender
             stats = await asyncio.to_thread(sender.finish)
@@ -257,7 +262,11 @@ class WeightPublisher:
             group.mark_broken(f"sender failed: {e}")
             sender.abandon()
             await asyncio.to_thread(group.close)
-            finals = await self._bounded(calls, "final")
+            # a live server ends its receive once the group's connections close; the whole
+            # update, send included, is bounded by timeout_s (a send stuck on a stopped server
+            # already took it: then only a moment more)
+            left = send_began + self.timeout_s - loop.time()
+            finals = await self._bounded(calls, "final", timeout_s=max(FAILED_SEND_GRACE_S, left))
             server_errors = [
                 _as_server_error(r, c) for r, c in zip(finals, calls, strict=True) if isinstance(r, BaseException)
             ]
@@ -282,12 +291,18 @@ class WeightPublisher:
             dict(sorted(stamps.items(), key=lambda kv: kv[1])),
         )
 
-    async def _bounded(self, calls: Sequence[PendingUpdate], what: str) -> list[UpdateEvent | BaseException]:
+    async def _bounded(
+        self, calls: Sequence[PendingUpdate], what: str, *, timeout_s: float | None = None
+    ) -> list[UpdateEvent | BaseException]:
         """Every call's ``accepted`` or ``final`` event (or its error), waiting at most
-        ``timeout_s``: a server silent that long is reported as stopped or hung, and its call
-        dropped."""
+        ``timeout_s`` (default the update's): a server silent that long is reported as stopped or
+        hung, and its call dropped."""
         futures = [c.accepted if what == "accepted" else c.final for c in calls]
-        await asyncio.wait(futures, timeout=self.timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        waited = f"the update's timeout_s={self.timeout_s:g}"
+        if timeout_s != self.timeout_s:
+            waited = f"{timeout_s:.2g} s after the send failed (the update's timeout_s={self.timeout_s:g})"
+        await asyncio.wait(futures, timeout=timeout_s)
         out: list[UpdateEvent | BaseException] = []
         for call, fut in zip(calls, futures, strict=True):
             if fut.done():
@@ -297,8 +312,7 @@ class WeightPublisher:
             out.append(
                 ServerError(
                     call.url,
-                    f"server did not answer within the update's timeout_s={self.timeout_s:g} "
-                    f"(no '{what}' event; stopped or hung?)",
+                    f"server did not answer within {waited} (no '{what}' event; stopped or hung?)",
                 )
             )
         return out
