@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from pipelinerl_sdk.conformance.generation import vllm_stop_cut
 from pipelinerl_sdk.kit.inference.chat import StopRule
-from pipelinerl_sdk.kit.inference.stream import TextStream, TokenStep, held_back
+from pipelinerl_sdk.kit.inference.stream import StopBorders, TextStream, TokenStep, held_back
 from pipelinerl_sdk.launch import ServerProcess
 from pipelinerl_sdk.protocol import ChatCompletionRequest
 
@@ -58,6 +58,43 @@ def test_held_back_keeps_what_may_begin_a_stop_string() -> None:
     assert held_back("hello", ["world"]) == 0
     assert held_back("abc\ufffd", []) == 1
     assert held_back("xab", ["abab", "b"]) == 2
+
+
+def _held_by_definition(text: str, stops: list[str]) -> int:
+    """The trailing partial character, and before it the longest end that begins a stop string,
+    by brute force (what :class:`StopBorders` keeps incrementally)."""
+    stable = text.rstrip("\ufffd")
+    longest = max(
+        (k for s in stops for k in range(1, min(len(s) - 1, len(stable)) + 1) if stable.endswith(s[:k])), default=0
+    )
+    return longest + len(text) - len(stable)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="ab\ufffd", max_size=4), min_size=1, max_size=25),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=6), max_size=4),
+)
+def test_stop_borders_fed_piece_by_piece_hold_what_the_definition_holds(pieces: list[str], stops: list[str]) -> None:
+    """Fed a text as it grows (its trailing U+FFFD later replaced, as a partial character is
+    completed), the automata hold back exactly what the definition does at every step."""
+    borders, text = StopBorders(stops), ""
+    for piece in pieces:
+        text = text.rstrip("\ufffd") + piece if piece and piece[0] != "\ufffd" else text + piece
+        assert borders.held(text) == _held_by_definition(text, stops), (text, stops)
+
+
+def test_long_stop_strings_are_held_back_step_by_step() -> None:
+    """16 stop strings of up to 10,001 characters (issue 35, finding 3: each streamed token then
+    compared up to every prefix of every stop string, 16 x 10,000^2 / 2 characters a step) over
+    a text growing 2 characters a step for 1,024 steps: all of it may still begin a stop string,
+    so all of it is held, at every step; the automata see each new character once per stop."""
+    stops = [("ab" * 5000)[i:] + "c" for i in range(16)]
+    borders, text = StopBorders(stops), ""
+    for _ in range(1024):
+        text += "ab"
+        assert borders.held(text) == len(text)
+    assert borders.held(text + "c") == 0  # a "c" this early begins no stop string: nothing held
 
 
 @settings(max_examples=200, deadline=None)

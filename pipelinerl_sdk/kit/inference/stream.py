@@ -44,17 +44,60 @@ class TokenStep:
     finish_reason: FinishReason | None = None
 
 
+def _borders(s: str) -> list[int]:
+    """KMP's prefix function of ``s``: ``out[i]`` is the longest proper prefix of ``s[: i + 1]``
+    that is also its suffix."""
+    out = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        out[i] = k
+    return out
+
+
+class StopBorders:
+    """For each stop string, the longest end of a growing text that begins it, kept by a KMP
+    automaton fed only the characters the text gained since the last call: a step costs its new
+    characters, not the stop strings' lengths squared (16 stop strings of 10,000 characters made
+    every streamed token cost seconds). Text that was fed must still begin the text, else the
+    automata start over (a tokenizer's clean-up may rewrite earlier characters)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [(stop, _borders(stop)) for stop in stops if stop]
+        self._states = [0] * len(self._stops)
+        self._fed = ""
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of ``text`` must wait: a trailing partial UTF-8
+        character (U+FFFD until its last byte arrives) and, before it, the longest end that begins
+        a stop string (it may complete into one)."""
+        stable = text.rstrip("\ufffd")
+        if not stable.startswith(self._fed):
+            self._states, self._fed = [0] * len(self._stops), ""
+        new = stable[len(self._fed) :]
+        longest = 0
+        for i, (stop, borders) in enumerate(self._stops):
+            k = self._states[i]
+            for c in new:
+                if k == len(stop):
+                    k = borders[k - 1]
+                while k and stop[k] != c:
+                    k = borders[k - 1]
+                if stop[k] == c:
+                    k += 1
+            self._states[i] = k
+            longest = max(longest, borders[k - 1] if k == len(stop) else k)
+        self._fed = stable
+        return longest + len(text) - len(stable)
+
+
 def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of ``text`` must wait: the longest end that begins a stop
-    string (it may complete into one), or a trailing partial UTF-8 character (U+FFFD until its
-    last byte arrives), whichever is longer."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), n, -1):
-            if text.endswith(s[:k]):
-                n = k
-                break
-    return max(n, len(text) - len(text.rstrip("\ufffd")))
+    """How many characters at the end of ``text`` must wait (:meth:`StopBorders.held` of the
+    whole text at once)."""
+    return StopBorders(stops).held(text)
 
 
 class TextStream:
@@ -66,6 +109,7 @@ class TextStream:
         self.rule, self.stop_ids = rule, stop_ids
         self.ids: list[int] = []
         self.sent = ""
+        self._borders = StopBorders(rule.stops)
 
     def step(self, step: TokenStep) -> tuple[str, str | int | None]:
         """(the text ``step`` releases, the stop reason once finished)."""
@@ -77,7 +121,7 @@ class TextStream:
             text = self.rule.decode(self.ids)
             visible, hit = self.rule.cut(text, self.rule.floor(self.ids))
             if hit is None:
-                visible = text[: len(text) - held_back(text, self.rule.stops)]
+                visible = text[: len(text) - self._borders.held(text)]
         if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
             return "", stop_reason  # nothing new (text already sent is never taken back)
         delta, self.sent = visible[len(self.sent) :], visible
