@@ -18,6 +18,7 @@ own answer to the ``nccl`` init as the evidence.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -188,13 +189,17 @@ def _failed_update(http: httpx.Client, model: str, key: dict[str, str]) -> Findi
     info = {"names": ["model.no_such_layer.weight"], "dtype_names": ["float32"], "shapes": [[4]]}
     failed = http.post("/update_weights", json={"update_info": info}, headers=key)
     finished = http.post("/finish_weight_update", json={"weight_version": None}, headers=key)
-    after = http.post("/v1/chat/completions", json=_chat(model, 2), headers=key)
+    try:
+        after = http.post("/v1/chat/completions", json=_chat(model, 2), headers=key)
+        served, next_chat = after.status_code == 200, _short(after, 100)
+    except httpx.TransportError as e:  # vLLM ends its server once its engine died
+        served, next_chat = False, f"no answer, the server exited ({type(e).__name__}: {e})"
     return Finding(
         "a failed update leaves the old weights serving",
-        "yes" if before.status_code == after.status_code == 200 else "no",
+        "yes" if before.status_code == 200 and served else "no",
         f"chat before: {before.status_code}; POST /start_weight_update {_short(started, 40)}; "
         f"/update_weights for a param it does not hold: {_short(failed, 120)}; /finish_weight_update: "
-        f"{_short(finished, 100)}; the next chat: {_short(after, 100)}",
+        f"{_short(finished, 100)}; the next chat: {next_chat}",
     )
 
 
@@ -233,7 +238,8 @@ def probe(url: str, api_key: str) -> list[Finding]:
                 _failed_update(http, model, key),  # last: it may leave the engine dead
             ]
         finally:
-            http.post("/resume", headers=key)
+            with contextlib.suppress(httpx.TransportError):  # gone after the last question: nothing held
+                http.post("/resume", headers=key)
 
 
 def table(findings: list[Finding]) -> str:

@@ -47,4 +47,5 @@ def test_vllms_own_server_keeps_the_promises_the_readme_says(tiny_model: Path) -
     assert "POST /pause?mode=keep: 200" in evidence[list(SEEN)[1]]
     assert "4 of 4 ended 'length'" in evidence[list(SEEN)[2]]
     assert "Cannot access accelerator device" in evidence[list(SEEN)[5]]
-    assert "the next chat: 500" in evidence[list(SEEN)[9]] and "EngineCore" in evidence[list(SEEN)[9]]
+    dead = evidence[list(SEEN)[9]]  # the engine died: a 500 naming it, or the server already gone
+    assert ("the next chat: 500" in dead and "EngineCore" in dead) or "the server exited" in dead, dead
