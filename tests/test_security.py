@@ -30,9 +30,15 @@ from pipelinerl_sdk.conformance.inference import update_body
 from pipelinerl_sdk.errors import FanOutError, GroupError, ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.launch import ServerProcess
-from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
+from pipelinerl_sdk.protocol import parse_init_method
 from pipelinerl_sdk.reference.trainer import ReferenceTrainer
-from pipelinerl_sdk.testing.security import forge, outsider, replace_a_waiting_trainer, take_rank_zero_while_it_forms
+from pipelinerl_sdk.testing.security import (
+    forge,
+    outsider,
+    replace_a_waiting_trainer,
+    take_rank_zero_while_it_forms,
+    waiting_update,
+)
 from pipelinerl_sdk.weights.auth import new_group_secret
 from pipelinerl_sdk.weights.group import GroupConfig, WeightSyncGroup
 from pipelinerl_sdk.weights.publisher import WeightPublisher, free_port
@@ -111,13 +117,9 @@ def test_forged_go_does_not_start_a_receive(server: Any, trainer: ReferenceTrain
 
     async def body() -> None:
         async with InferenceClient(server.url, control_token=server.control_token) as client:
-            pub = WeightPublisher([client], bucket_bytes=64 << 10, timeout_s=5)
-            await pub.connect()
-            assert pub.group is not None
             info = await client.info()
-            req = WeightUpdateRequest.model_validate(update_body(info, info.version + 1, timeout_s=20))
-            call = client.request_weight_update(req)
-            await asyncio.wait_for(call.accepted, 30)
+            pub, req, call = await waiting_update(client, bucket_bytes=64 << 10, timeout_s=20, publisher_timeout_s=5)
+            assert pub.group is not None
             key = update_key(req.version)
             assert forge(outsider(pub), key, "go")
             await asyncio.sleep(1.0)  # time for a server that believes it to enter the broadcast
@@ -278,13 +280,9 @@ def test_a_failed_init_leaves_the_pending_update_alone(server: Any) -> None:
             InferenceClient(server.url, control_token=server.control_token) as client,
             httpx.AsyncClient(base_url=server.url, timeout=60, headers=headers) as http,
         ):
-            live = WeightPublisher([client], bucket_bytes=64 << 10, timeout_s=30)
-            await live.connect()
-            assert live.group is not None
             info = await client.info()
-            req = WeightUpdateRequest.model_validate(update_body(info, info.version + 1, timeout_s=120))
-            call = client.request_weight_update(req)
-            await asyncio.wait_for(call.accepted, 60)  # waiting for the live trainer's decision
+            live, req, call = await waiting_update(client, bucket_bytes=64 << 10, timeout_s=120)
+            assert live.group is not None
             with socket.socket() as s:  # a port nobody listens on once the block ends
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]

@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,21 +26,10 @@ pytestmark = pytest.mark.integration
 TIMEOUT_S, SLACK_S = 4.0, 0.75
 
 
-@pytest.fixture
-def server(tiny_model: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess("reference", tiny_model, startup_timeout_s=120, options={"threads": 1})
-    proc.start()
-    try:
-        yield proc
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.stop()
-
-
 def test_a_server_stopped_mid_broadcast_is_reported_within_the_updates_timeout(
     server: ServerProcess, tiny_model: Path
 ) -> None:
-    mirror = Mirror(tiny_model, "float32")
+    mirror = Mirror(tiny_model, "float32")  # the module's own server (conftest): this one is stopped
 
     async def body() -> float:
         async with InferenceClient(server.url, control_token=server.control_token) as client:
@@ -50,14 +38,16 @@ def test_a_server_stopped_mid_broadcast_is_reported_within_the_updates_timeout(
             info = await client.info()
             mirror.perturb(seed=1)
             t0 = time.monotonic()
-            with pytest.raises(FanOutError, match="did not answer") as err:
-                async with publisher.update(info.version + 1, info.params) as sink:
-                    os.kill(server.pid, signal.SIGSTOP)
-                    t0 = time.monotonic()
-                    await asyncio.to_thread(mirror.send_all, sink, info.params)
-            took = time.monotonic() - t0
+            try:
+                with pytest.raises(FanOutError, match="did not answer") as err:
+                    async with publisher.update(info.version + 1, info.params) as sink:
+                        os.kill(server.pid, signal.SIGSTOP)
+                        t0 = time.monotonic()
+                        await asyncio.to_thread(mirror.send_all, sink, info.params)
+                took = time.monotonic() - t0
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
             assert err.value.errors[0].url == server.url, err.value
-            os.kill(server.pid, signal.SIGCONT)
             await publisher.close()
             # resumed, it serves its old weights (the update never applied)
             assert (await client.info()).version == info.version

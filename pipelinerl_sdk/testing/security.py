@@ -15,9 +15,16 @@ import torch.distributed as dist
 from pipelinerl_sdk.errors import ServerError
 from pipelinerl_sdk.http.client import InferenceClient
 from pipelinerl_sdk.protocol import WeightUpdateRequest, parse_init_method
-from pipelinerl_sdk.weights.publisher import WeightPublisher
+from pipelinerl_sdk.weights.publisher import PendingUpdate, WeightPublisher
 
-__all__ = ["forge", "outsider", "replace_a_waiting_trainer", "take_rank_zero", "take_rank_zero_while_it_forms"]
+__all__ = [
+    "forge",
+    "outsider",
+    "replace_a_waiting_trainer",
+    "take_rank_zero",
+    "take_rank_zero_while_it_forms",
+    "waiting_update",
+]
 
 
 def outsider(pub: WeightPublisher) -> Any:
@@ -37,20 +44,31 @@ def forge(store: Any, key: str, value: str) -> list[str]:
     return names
 
 
+async def waiting_update(
+    client: InferenceClient, *, bucket_bytes: int, timeout_s: float, publisher_timeout_s: float = 30
+) -> tuple[WeightPublisher, WeightUpdateRequest, PendingUpdate]:
+    """A trainer connected to ``client``'s server, and an update to the next version the server
+    accepted (its receive armed) and that waits for the trainer's decision, which nobody posts:
+    (the trainer's publisher, the request, its pending call)."""
+    from pipelinerl_sdk.conformance.inference import update_body
+
+    publisher = WeightPublisher([client], bucket_bytes=bucket_bytes, timeout_s=publisher_timeout_s)
+    await publisher.connect()
+    info = await client.info()
+    body = update_body(info, info.version + 1, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    req = WeightUpdateRequest.model_validate(body)
+    call = client.request_weight_update(req)
+    await asyncio.wait_for(call.accepted, 60)
+    return publisher, req, call
+
+
 async def replace_a_waiting_trainer(
     old_client: InferenceClient, new_client: InferenceClient, *, bucket_bytes: int
 ) -> tuple[WeightPublisher, WeightPublisher, str]:
     """The old trainer asks for an update (120 s timeout) and never decides; a new trainer then
     connects. Returns (old publisher, new publisher, the stale update's error); AssertionError
     if the stale update did not end with one within 30 s of the new trainer's connect."""
-    from pipelinerl_sdk.conformance.inference import update_body
-
-    old = WeightPublisher([old_client], bucket_bytes=bucket_bytes, timeout_s=30)
-    await old.connect()
-    info = await old_client.info()
-    body = update_body(info, info.version + 1, bucket_bytes=bucket_bytes, timeout_s=120)
-    call = old_client.request_weight_update(WeightUpdateRequest.model_validate(body))
-    await asyncio.wait_for(call.accepted, 60)  # waiting for a decision that never comes
+    old, _, call = await waiting_update(old_client, bucket_bytes=bucket_bytes, timeout_s=120)
     new = WeightPublisher([new_client], bucket_bytes=bucket_bytes, timeout_s=60)
     await new.connect()
     try:
