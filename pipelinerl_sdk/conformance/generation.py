@@ -102,6 +102,11 @@ def edge_stop_strings(tokenizer: Any, ids: list[int], text: str) -> dict[str, tu
     def clean(s: str) -> bool:
         return bool(s.strip()) and s.isprintable() and "\ufffd" not in s
 
+    def sound_cut(at: int) -> bool:
+        # the text cut before a stop string may not end with U+FFFD: an engine may drop such a
+        # character at the end of a text (a partial UTF-8 character, as vLLM does)
+        return not text[:at].endswith("\ufffd")
+
     def token_of(char: int) -> int:
         return next(k for k, e in enumerate(ends) if e > char)
 
@@ -111,11 +116,11 @@ def edge_stop_strings(tokenizer: Any, ids: list[int], text: str) -> dict[str, tu
         before = ends[k - 2] if k >= 2 else 0
         if spanning is None and start - before >= 2 and end - start >= 2:
             s = text[start - 2 : start + 2]  # two characters of each of two tokens
-            if clean(s) and text.find(s) == start - 2:
+            if clean(s) and text.find(s) == start - 2 and sound_cut(start - 2):
                 spanning = (s, start - 2)
         if inside is None and start - before >= 1 and end - start >= 3:
             s = text[start - 1 : start + 1]  # the last character of one token, the first of the next
-            if clean(s) and text.find(s) == start - 1:
+            if clean(s) and text.find(s) == start - 1 and sound_cut(start - 1):
                 inside = (s, start - 1)
     assert spanning and inside, f"the greedy text {text!r} has no stop strings at token edges (ends {ends})"
     cases: dict[str, tuple[list[str], int | None, int]] = {
