@@ -283,9 +283,7 @@ def test_a_failed_init_leaves_the_pending_update_alone(server: Any) -> None:
             info = await client.info()
             live, req, call = await waiting_update(client, bucket_bytes=64 << 10, timeout_s=120)
             assert live.group is not None
-            with socket.socket() as s:  # a port nobody listens on once the block ends
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()  # a port nobody listens on
             dead = {
                 "init_method": f"tcp://127.0.0.1:{port}", "rank_offset": 1, "world_size": 2,
                 "group_secret": new_group_secret(), "timeout_s": 5,

@@ -239,9 +239,13 @@ class VLLMRLFront:
 
     # --- pause ----------------------------------------------------------------------------------
 
+    def declared_hold(self) -> GenerationHoldLike | None:
+        """The backend's hold on generation where it declares ``pause_generation``, else None."""
+        return self.backend.generation_hold() if self.backend.capabilities.pause_generation else None
+
     def hold(self) -> GenerationHoldLike:
         """The backend's hold on generation; ControlRefused (501) where it has none."""
-        hold = self.backend.generation_hold() if self.backend.capabilities.pause_generation else None
+        hold = self.declared_hold()
         if hold is None:
             raise ControlRefused(
                 501,
@@ -391,7 +395,7 @@ def serve_vllm_rl(
 
     @router.get("/is_paused")
     async def is_paused() -> dict[str, Any]:
-        hold = backend.generation_hold() if backend.capabilities.pause_generation else None
+        hold = front.declared_hold()
         return {"is_paused": hold is not None and hold.held}
 
     @router.get("/weight_info")

@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+
+from pipelinerl_sdk.weights.publisher import free_port
 
 __all__ = ["Finding", "OwnServer", "probe", "table"]
 
@@ -206,9 +207,7 @@ def _failed_update(http: httpx.Client, model: str, key: dict[str, str]) -> Findi
 def _transfers(http: httpx.Client, key: dict[str, str]) -> list[Finding]:
     """vLLM's ``nccl`` transfer, the one its docs use, asked to init; on success a GPU is here
     and this probe stops short: the update path is the GPU script's to check."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
     try:
         r = http.post("/init_weight_transfer_engine", json={"init_info": info}, headers=key, timeout=30)
@@ -275,9 +274,7 @@ class OwnServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_PLUGINS": ""}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         for _ in range(3):  # vLLM binds the port it is given: one taken meanwhile is tried again
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             with open(self.log_path, "wb") as log:
                 self._proc = subprocess.Popen(
                     self._cmd(port), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
